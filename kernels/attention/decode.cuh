@@ -103,19 +103,6 @@ __device__ __forceinline__ void push_row_part(const AttentionDecodeParams& p, in
     }
 }
 
-/// Records a block-table entry outside the cache in `status` (when given; the first one found claims it).
-__device__ __forceinline__ void record_bad_page(AttentionStatus* status, int32_t sequence, int32_t page,
-                                                int32_t value) {
-    if (status == nullptr) return;
-    if (atomicCAS(&status->code, 0, -1) == 0) {
-        status->sequence = sequence;
-        status->page = page;
-        status->value = value;
-        __threadfence_system();
-        atomicExch(&status->code, 1);
-    }
-}
-
 /// Byte offset of 16-byte chunk `chunk` of row `row` in a tile of `kRowBytes`-byte rows. Chunks are XOR-swizzled by
 /// the row's low 3 bits so that the 8 rows an ldmatrix reads at one chunk index hit 8 different bank groups.
 template <int kRowBytes>
@@ -208,15 +195,11 @@ __global__ void __launch_bounds__(kAttentionThreads) decode_split(AttentionDecod
     // table's latency does not stall the copies. At head_dim 256 (16 rows per thread, 128 accumulators) the pages are
     // read just before their copies instead: holding them a tile longer would spill.
     constexpr bool kPrefetchPages = kLoadsPerThread <= 8;
-    // An entry outside [0, num_pages) is read as page 0 (no memory outside the cache is touched) and recorded.
     auto lookup = [&](int tile, int32_t(&pages)[kLoadsPerThread]) {
 #pragma unroll
         for (int i = 0; i < kLoadsPerThread; ++i) {
             const int t = first + tile * kTile + my_row + i * kRowsPerPass;
-            const int32_t entry = t < end ? table[page_of(t)] : 0;
-            const bool in_cache = t >= end || static_cast<uint32_t>(entry) < static_cast<uint32_t>(p.num_pages);
-            if (!in_cache) record_bad_page(p.status, b, static_cast<int32_t>(page_of(t)), entry);
-            pages[i] = in_cache ? entry : 0;
+            pages[i] = t < end ? table[page_of(t)] : 0;
         }
     };
     auto issue = [&](int tile, int stage, int32_t(&pages)[kLoadsPerThread]) {

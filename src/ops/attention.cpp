@@ -175,9 +175,6 @@ DecodeAttentionPlan plan_decode_attention(const TensorView& q, const TensorView&
         }
     }
     const float scale_log2 = detail::attention_scale_log2(options.scale, head_dim, kOp);
-    WEFT_CHECK(reinterpret_cast<uintptr_t>(options.status) % alignof(AttentionStatus) == 0,
-               kOp << ": options.status must be " << alignof(AttentionStatus) << "-byte aligned, got "
-                   << static_cast<const void*>(options.status));
     WEFT_CHECK(options.num_splits >= 0,
                kOp << ": options.num_splits must be >= 0 (0: automatic), got " << options.num_splits);
     WEFT_CHECK(batch <= 65535 && num_kv_heads <= 65535,
@@ -218,8 +215,6 @@ DecodeAttentionPlan plan_decode_attention(const TensorView& q, const TensorView&
     p.num_kv_heads = static_cast<int32_t>(num_kv_heads);
     p.group = static_cast<int32_t>(group);
     p.page_size = static_cast<int32_t>(page_size);
-    p.num_pages = static_cast<int32_t>(std::min<int64_t>(num_pages, INT32_MAX));  // i32 entries reach no further
-    p.status = options.status;
     p.page_shift = -1;
     if ((page_size & (page_size - 1)) == 0) {
         p.page_shift = 0;
@@ -378,9 +373,6 @@ AttentionSplitPlan decode_attention_split_plan(int64_t batch, int64_t num_q_head
                    << max_seq_len);
     WEFT_CHECK(head_dim == 64 || head_dim == 128 || head_dim == 256,
                kOp << ": head_dim must be 64, 128 or 256, got " << head_dim);
-    WEFT_CHECK(reinterpret_cast<uintptr_t>(options.status) % alignof(AttentionStatus) == 0,
-               kOp << ": options.status must be " << alignof(AttentionStatus) << "-byte aligned, got "
-                   << static_cast<const void*>(options.status));
     WEFT_CHECK(options.num_splits >= 0,
                kOp << ": options.num_splits must be >= 0 (0: automatic), got " << options.num_splits);
     AttentionDecodeConfig c;
@@ -465,26 +457,6 @@ void launch_decode_attention(DecodeAttentionPlan& plan, const DecodeAttentionOpt
 
 }  // namespace detail
 
-std::string describe_attention_status(const AttentionStatus& s) {
-    if (s.code == 0) return "";
-    std::ostringstream os;
-    if (s.code == -1) {
-        os << "decode attention: a status record is being written (read it after the call has completed)";
-    } else if (s.code == 1) {
-        os << "decode attention: block_table[" << s.sequence << "][" << s.page << "] = " << s.value
-           << " is outside the cache's pages [0, num_pages): its tokens were read from page 0 (that sequence's out "
-              "and lse are wrong)";
-    } else {
-        os << "decode attention: unknown status code " << s.code;
-    }
-    return os.str();
-}
-
-void check_attention_status(const AttentionStatus& status) {
-    const std::string what = describe_attention_status(status);
-    WEFT_CHECK(what.empty(), what);
-}
-
 void decode_attention(const TensorView& q, const TensorView& k_cache, const TensorView& v_cache,
                       const TensorView& block_table, const TensorView& seq_lens, int64_t max_seq_len,
                       const TensorView& out, const TensorView& lse, cudaStream_t stream,
@@ -502,7 +474,6 @@ void decode_attention(const TensorView& q, const TensorView& k_cache, const Tens
                                 {"lse", lse},
                                 {"options.workspace", options.workspace}},
                                "decode_attention", stream);
-    detail::check_device_or_mapped_pointer(options.status, "options.status", "decode_attention", stream);
     detail::launch_decode_attention(plan, options, stream);
 }
 

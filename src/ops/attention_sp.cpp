@@ -81,7 +81,6 @@ void sp_decode_attention(const Team& team, const TensorView& q, const TensorView
                                   {"lse", lse},
                                   {"options.workspace", options.workspace}},
                                  "sp_decode_attention", stream);
-    detail::check_device_or_mapped_pointer(options.status, "options.status", "sp_decode_attention", stream);
     detail::CollectiveWorkspace& ws = detail::CollectiveWorkspace::get(team, stream, "sp_decode_attention");
     const int64_t batch = plan.params.batch;
     const int64_t heads = plan.params.num_q_heads;

@@ -8,7 +8,6 @@
 #include <cstdint>
 #include <functional>
 #include <optional>
-#include <string>
 
 #include "weft/common/attention.hpp"
 #include "weft/jit/compiler.hpp"
@@ -20,8 +19,6 @@ class Team;
 }  // namespace weft
 
 namespace weft::ops {
-
-using weft::AttentionStatus;
 
 struct DecodeAttentionOptions {
     /// Softmax scale applied to q.k; nullopt: 1 / sqrt(head_dim). Finite, at most about 2.3e38 in magnitude, and the
@@ -44,16 +41,7 @@ struct DecodeAttentionOptions {
     /// Capturable: in a CUDA graph the launch becomes a programmatic edge. (The combine kernel always launches so
     /// behind the split kernel.)
     bool programmatic_launch = false;
-    /// Where the first block-table entry outside [0, num_pages) is recorded (device or host-mapped memory, zeroed by
-    /// the caller; check_attention_status turns a record into a weft::Error), or null. Such an entry is read as page
-    /// 0 either way: no memory outside the cache is touched, that sequence's out and lse are wrong.
-    AttentionStatus* status = nullptr;
 };
-
-/// The message of a status record (DecodeAttentionOptions::status); empty when it is zero.
-std::string describe_attention_status(const AttentionStatus& status);
-/// Throws weft::Error with describe_attention_status unless the record is zero.
-void check_attention_status(const AttentionStatus& status);
 
 /// Decode attention for `batch` sequences, each with one query token:
 ///   out[b, h, :] = sum_j softmax_j(scale * q[b, h, :] . k_j) v_j   over the first seq_lens[b] tokens of sequence b,
@@ -68,8 +56,8 @@ void check_attention_status(const AttentionStatus& status);
 ///                fit, the latter as a strided view)
 ///   v_cache      same dtype, shape and strides as k_cache
 ///   block_table  i32 [batch, max_pages_per_seq], innermost stride 1; the entries of the tokens read (those below
-///                seq_lens[b] clipped to max_seq_len) must be valid page indices in [0, num_pages): one outside is
-///                read as page 0 and recorded in options.status when given; the others are never read
+///                seq_lens[b] clipped to max_seq_len) must be valid page indices (< num_pages; not checked on the
+///                device); the others are never read
 ///   seq_lens     i32 [batch], contiguous; lengths are clipped to [0, max_seq_len] (out and lse then cover the
 ///                clipped length)
 ///   max_seq_len  an upper bound of seq_lens (it sizes the split plan), 0 <= max_seq_len <= max_pages_per_seq *
