@@ -103,6 +103,19 @@ __device__ __forceinline__ void push_row_part(const AttentionDecodeParams& p, in
     }
 }
 
+/// Records a block-table entry outside the cache in `status` (when given; the first one found claims it).
+__device__ __forceinline__ void record_bad_page(AttentionStatus* status, int32_t sequence, int32_t page,
+                                                int32_t value) {
+    if (status == nullptr) return;
+    if (atomicCAS(&status->code, 0, -1) == 0) {
+        status->sequence = sequence;
+        status->page = page;
+        status->value = value;
+        __threadfence_system();
+        atomicExch(&status->code, 1);
+    }
+}
+
 /// Byte offset of 16-byte chunk `chunk` of row `row` in a tile of `kRowBytes`-byte rows. Chunks are XOR-swizzled by
 /// the row's low 3 bits so that the 8 rows an ldmatrix reads at one chunk index hit 8 different bank groups.
 template <int kRowBytes>
@@ -176,7 +189,7 @@ __global__ void __launch_bounds__(kAttentionThreads) decode_split(AttentionDecod
     // Token indices fit 32 bits (the host checks max_seq_len < 2^31): page arithmetic stays in 32-bit integers.
     const int first = static_cast<int>(begin);
     const int end = end_64 > begin ? static_cast<int>(end_64) : first;
-    const int num_tiles = (end - first + kTile - 1) / kTile;
+    int num_tiles = (end - first + kTile - 1) / kTile;  // -1: a bad block-table entry (below)
 
     // Thread tid copies chunk (tid % kChunks) of rows tid / kChunks + kRowsPerPass * i of every K and V tile.
     const int my_chunk = tid % kChunks;
@@ -195,15 +208,22 @@ __global__ void __launch_bounds__(kAttentionThreads) decode_split(AttentionDecod
     // table's latency does not stall the copies. At head_dim 256 (16 rows per thread, 128 accumulators) the pages are
     // read just before their copies instead: holding them a tile longer would spill.
     constexpr bool kPrefetchPages = kLoadsPerThread <= 8;
-    auto lookup = [&](int tile, int32_t(&pages)[kLoadsPerThread]) {
+    // `clamp` (check_pages only): an entry outside [0, num_pages) reads page 0 (the prologue's tiles, copied before the
+    // split's entries are checked below); the loop's entries are checked before it starts.
+    auto lookup = [&](int tile, int32_t(&pages)[kLoadsPerThread], bool clamp) {
 #pragma unroll
         for (int i = 0; i < kLoadsPerThread; ++i) {
             const int t = first + tile * kTile + my_row + i * kRowsPerPass;
-            pages[i] = t < end ? table[page_of(t)] : 0;
+            const int32_t entry = t < end ? table[page_of(t)] : 0;
+            if constexpr (C.check_pages) {
+                pages[i] = clamp && static_cast<uint32_t>(entry) >= static_cast<uint32_t>(p.num_pages) ? 0 : entry;
+            } else {
+                pages[i] = entry;
+            }
         }
     };
-    auto issue = [&](int tile, int stage, int32_t(&pages)[kLoadsPerThread]) {
-        if constexpr (!kPrefetchPages) lookup(tile, pages);
+    auto issue = [&](int tile, int stage, int32_t(&pages)[kLoadsPerThread], bool clamp) {
+        if constexpr (!kPrefetchPages) lookup(tile, pages, clamp);
 #pragma unroll
         for (int i = 0; i < kLoadsPerThread; ++i) {
             const int row = my_row + i * kRowsPerPass;
@@ -228,26 +248,46 @@ __global__ void __launch_bounds__(kAttentionThreads) decode_split(AttentionDecod
         // Every prologue tile's pages first: their loads overlap instead of chaining one latency per tile.
         int32_t first_pages[C.stages - 1][kLoadsPerThread];
 #pragma unroll
-        for (int s = 0; s < C.stages - 1; ++s) lookup(s, first_pages[s]);
-        lookup(C.stages - 1, pages);
+        for (int s = 0; s < C.stages - 1; ++s) lookup(s, first_pages[s], true);
+        lookup(C.stages - 1, pages, false);
 #pragma unroll
         for (int s = 0; s < C.stages - 1; ++s) {
-            if (s < num_tiles) issue(s, s, first_pages[s]);
+            if (s < num_tiles) issue(s, s, first_pages[s], true);
             ptx::cp_async_commit();
         }
     } else {
 #pragma unroll
         for (int s = 0; s < C.stages - 1; ++s) {
-            if (s < num_tiles) issue(s, s, pages);
+            if (s < num_tiles) issue(s, s, pages, true);
             ptx::cp_async_commit();
         }
     }
 
-    // Q (read at the kernel's start) into shared memory; the loop's first barrier publishes it.
+    // Q (read at the kernel's start) into shared memory; the next barrier publishes it.
 #pragma unroll
     for (int i = 0; i < kQPerThread; ++i) {
         const int idx = tid + i * kAttentionThreads;
         *reinterpret_cast<uint4*>(q_smem + swizzled<kRowBytes>(idx / kChunks, idx % kChunks)) = q_regs[i];
+    }
+
+    // With check_pages, every block-table entry of the split is checked while the prologue's copies are in flight (the
+    // loop's lookups then need no compare). A split holding an entry outside [0, num_pages) reads nothing more and
+    // poisons its rows (num_tiles = -1: NaN out; lse NaN, or +inf in a partial, which makes the merged row NaN); the
+    // first entry found is recorded in p.status. Only a call given a status compiles this in: measured on one H100, it
+    // made the kernel up to 7% slower (head_dim 256, batch 8, 128K tokens), though it runs before the loop.
+    if constexpr (C.check_pages) {
+        const unsigned first_page = page_of(first);
+        const unsigned end_page = end > first ? page_of(end - 1) + 1 : first_page;
+        bool bad = false;
+#pragma unroll 4
+        for (unsigned j = first_page + static_cast<unsigned>(tid); j < end_page; j += kAttentionThreads) {
+            const int32_t entry = table[j];
+            if (static_cast<uint32_t>(entry) >= static_cast<uint32_t>(p.num_pages)) {
+                bad = true;
+                record_bad_page(p.status, b, static_cast<int32_t>(j), entry);
+            }
+        }
+        if (__syncthreads_or(bad)) num_tiles = -1;
     }
 
     const int g = lane / 4;
@@ -257,8 +297,8 @@ __global__ void __launch_bounds__(kAttentionThreads) decode_split(AttentionDecod
         __syncthreads();  // tile `tile` is visible to all; every warp is done with the stage refilled below
         const int next = tile + C.stages - 1;
         if (next < num_tiles) {
-            issue(next, next % C.stages, pages);
-            if constexpr (kPrefetchPages) lookup(next + 1, pages);
+            issue(next, next % C.stages, pages, false);
+            if constexpr (kPrefetchPages) lookup(next + 1, pages, false);
         }
         ptx::cp_async_commit();
 
@@ -396,7 +436,12 @@ __global__ void __launch_bounds__(kAttentionThreads) decode_split(AttentionDecod
         sum.z *= inv;
         sum.w *= inv;
         // ln(sum of e^(scale q.k)) = (M + log2 L) ln 2, scores being scale x log2(e) x q.k.
-        const float lse = l > 0.f ? (block_max[row] + __log2f(l)) * 0.69314718055994531f : neg_inf();
+        float lse = l > 0.f ? (block_max[row] + __log2f(l)) * 0.69314718055994531f : neg_inf();
+        if (C.check_pages && num_tiles < 0) {
+            const float nan = __int_as_float(0x7fffffff);
+            sum = make_float4(nan, nan, nan, nan);
+            lse = p.num_splits == 1 && p.push_enabled == 0 ? nan : -neg_inf();
+        }
         const int64_t head_row = static_cast<int64_t>(b) * num_q_heads + kv_head * group + row;
         if (p.num_splits == 1 && p.push_enabled != 0) {
             push_row_part<kDim>(p, head_row, col, sum, lse, col == 0);
@@ -503,7 +548,10 @@ __global__ void __launch_bounds__(kAttentionCombineThreads, 1) decode_combine(At
         sum.z += x.z;
         sum.w += x.w;
     }
-    const float lse = m != neg_inf() ? m + __logf(total) : neg_inf();
+    float lse = m != neg_inf() ? m + __logf(total) : neg_inf();
+    // A poisoned partial's +inf (a bad block-table entry, check_pages) is pushed as it is: the ranks' merge then makes
+    // the row NaN even where every other rank's share is empty (its -inf rows would otherwise hide a NaN LSE).
+    if (p.push_enabled != 0 && m == -neg_inf()) lse = m;
     if (p.push_enabled != 0) {
         push_row_part<kDim>(p, row, c * 4, sum, lse, c == 0);
     } else {

@@ -175,6 +175,9 @@ DecodeAttentionPlan plan_decode_attention(const TensorView& q, const TensorView&
         }
     }
     const float scale_log2 = detail::attention_scale_log2(options.scale, head_dim, kOp);
+    WEFT_CHECK(reinterpret_cast<uintptr_t>(options.status) % alignof(AttentionStatus) == 0,
+               kOp << ": options.status must be " << alignof(AttentionStatus) << "-byte aligned, got "
+                   << static_cast<const void*>(options.status));
     WEFT_CHECK(options.num_splits >= 0,
                kOp << ": options.num_splits must be >= 0 (0: automatic), got " << options.num_splits);
     WEFT_CHECK(batch <= 65535 && num_kv_heads <= 65535,
@@ -185,6 +188,7 @@ DecodeAttentionPlan plan_decode_attention(const TensorView& q, const TensorView&
     plan.config.dtype = q.dtype;
     plan.config.head_dim = static_cast<int32_t>(head_dim);
     plan.config.stages = attention_default_stages(plan.config.head_dim);
+    plan.config.check_pages = options.status != nullptr;
     plan.empty = batch == 0;
     plan.splits =
         plan_attention_splits(batch, num_kv_heads, max_seq_len, resident_blocks(head_dim), options.num_splits);
@@ -215,6 +219,8 @@ DecodeAttentionPlan plan_decode_attention(const TensorView& q, const TensorView&
     p.num_kv_heads = static_cast<int32_t>(num_kv_heads);
     p.group = static_cast<int32_t>(group);
     p.page_size = static_cast<int32_t>(page_size);
+    p.num_pages = static_cast<int32_t>(std::min<int64_t>(num_pages, INT32_MAX));  // i32 entries reach no further
+    p.status = options.status;
     p.page_shift = -1;
     if ((page_size & (page_size - 1)) == 0) {
         p.page_shift = 0;
@@ -290,10 +296,10 @@ struct AttentionKernels {
 
 AttentionKernels kernels_for(const AttentionDecodeConfig& c) {
     static std::mutex mutex;
-    static std::map<std::tuple<int, int, int, int>, AttentionKernels> memo;
+    static std::map<std::tuple<int, int, int, int, bool>, AttentionKernels> memo;
     int device = 0;
     WEFT_CUDA_CHECK(cudaGetDevice(&device));
-    const auto key = std::make_tuple(device, static_cast<int>(c.dtype), c.head_dim, c.stages);
+    const auto key = std::make_tuple(device, static_cast<int>(c.dtype), c.head_dim, c.stages, c.check_pages);
     {
         std::lock_guard<std::mutex> lock(mutex);
         auto it = memo.find(key);
@@ -301,7 +307,9 @@ AttentionKernels kernels_for(const AttentionDecodeConfig& c) {
     }
     AttentionKernels k;
     k.split = &jit::compiler().get_kernel(decode_attention_kernel_spec(c, false));
-    k.combine = &jit::compiler().get_kernel(decode_attention_kernel_spec(c, true));
+    AttentionDecodeConfig combine_config = c;
+    combine_config.check_pages = false;  // the combine reads no page: one kernel for both
+    k.combine = &jit::compiler().get_kernel(decode_attention_kernel_spec(combine_config, true));
     k.split->allow_dynamic_smem(static_cast<size_t>(attention_decode_smem_bytes(c)));
     std::lock_guard<std::mutex> lock(mutex);
     memo[key] = k;
@@ -340,10 +348,12 @@ jit::KernelSpec decode_attention_kernel_spec(const AttentionDecodeConfig& config
     std::ostringstream inst;
     inst << "weft::kernels::attention::" << (combine ? "decode_combine" : "decode_split")
          << "<weft::AttentionDecodeConfig{.dtype = " << dtype_enum_name(config.dtype)
-         << ", .head_dim = " << config.head_dim << ", .stages = " << config.stages << "}>";
+         << ", .head_dim = " << config.head_dim << ", .stages = " << config.stages
+         << (config.check_pages ? ", .check_pages = true" : "") << "}>";
     std::ostringstream desc;
     desc << "attention " << (combine ? "decode_combine " : "decode_split ") << dtype_name(config.dtype)
-         << " head_dim=" << config.head_dim << " stages=" << config.stages;
+         << " head_dim=" << config.head_dim << " stages=" << config.stages
+         << (config.check_pages ? " check_pages" : "");
     jit::KernelSpec spec;
     spec.header = "attention/decode.cuh";
     spec.instantiation = inst.str();
@@ -356,9 +366,11 @@ void register_attention_aot_specs() {
     std::call_once(once, [] {
         for (DType t : {DType::kBF16, DType::kF16}) {
             for (int32_t d : {64, 128, 256}) {
-                const AttentionDecodeConfig c{.dtype = t, .head_dim = d, .stages = attention_default_stages(d)};
+                AttentionDecodeConfig c{.dtype = t, .head_dim = d, .stages = attention_default_stages(d)};
                 jit::register_aot_spec(decode_attention_kernel_spec(c, false));
                 jit::register_aot_spec(decode_attention_kernel_spec(c, true));
+                c.check_pages = true;
+                jit::register_aot_spec(decode_attention_kernel_spec(c, false));
             }
         }
     });
@@ -373,6 +385,9 @@ AttentionSplitPlan decode_attention_split_plan(int64_t batch, int64_t num_q_head
                    << max_seq_len);
     WEFT_CHECK(head_dim == 64 || head_dim == 128 || head_dim == 256,
                kOp << ": head_dim must be 64, 128 or 256, got " << head_dim);
+    WEFT_CHECK(reinterpret_cast<uintptr_t>(options.status) % alignof(AttentionStatus) == 0,
+               kOp << ": options.status must be " << alignof(AttentionStatus) << "-byte aligned, got "
+                   << static_cast<const void*>(options.status));
     WEFT_CHECK(options.num_splits >= 0,
                kOp << ": options.num_splits must be >= 0 (0: automatic), got " << options.num_splits);
     AttentionDecodeConfig c;
@@ -457,6 +472,25 @@ void launch_decode_attention(DecodeAttentionPlan& plan, const DecodeAttentionOpt
 
 }  // namespace detail
 
+std::string describe_attention_status(const AttentionStatus& s) {
+    if (s.code == 0) return "";
+    std::ostringstream os;
+    if (s.code == -1) {
+        os << "decode attention: a status record is being written (read it after the call has completed)";
+    } else if (s.code == 1) {
+        os << "decode attention: block_table[" << s.sequence << "][" << s.page << "] = " << s.value
+           << " is outside the cache's pages [0, num_pages): that sequence's out and lse are NaN";
+    } else {
+        os << "decode attention: unknown status code " << s.code;
+    }
+    return os.str();
+}
+
+void check_attention_status(const AttentionStatus& status) {
+    const std::string what = describe_attention_status(status);
+    WEFT_CHECK(what.empty(), what);
+}
+
 void decode_attention(const TensorView& q, const TensorView& k_cache, const TensorView& v_cache,
                       const TensorView& block_table, const TensorView& seq_lens, int64_t max_seq_len,
                       const TensorView& out, const TensorView& lse, cudaStream_t stream,
@@ -474,6 +508,7 @@ void decode_attention(const TensorView& q, const TensorView& k_cache, const Tens
                                 {"lse", lse},
                                 {"options.workspace", options.workspace}},
                                "decode_attention", stream);
+    detail::check_device_or_mapped_pointer(options.status, "options.status", "decode_attention", stream);
     detail::launch_decode_attention(plan, options, stream);
 }
 

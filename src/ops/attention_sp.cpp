@@ -22,7 +22,7 @@ namespace {
 
 // The decode configs a World's teams have loaded and met over: a World extension, so that it ends with its World.
 struct LoadedDecodeConfigs final : WorldExtension {
-    std::set<std::tuple<std::string, int, int, int>> loaded;  // team id, dtype, head dim, stages
+    std::set<std::tuple<std::string, int, int, int, bool>> loaded;  // team id, dtype, head dim, stages, check_pages
 };
 
 // Loads the decode kernels of `config` the first time a team uses them, then meets the team: no rank launches
@@ -36,7 +36,8 @@ void ensure_loaded(const Team& team, const AttentionDecodeConfig& config, cudaSt
         ext = static_cast<LoadedDecodeConfigs*>(
             &world.add_extension(kExtension, std::make_unique<LoadedDecodeConfigs>()));
     }
-    const auto key = std::make_tuple(team.id(), static_cast<int>(config.dtype), config.head_dim, config.stages);
+    const auto key =
+        std::make_tuple(team.id(), static_cast<int>(config.dtype), config.head_dim, config.stages, config.check_pages);
     if (ext->loaded.count(key) != 0) return;
     // The same first calls on every member (the same shapes): every member refuses alike.
     detail::refuse_setup_under_capture(stream, "sp_decode_attention",
@@ -81,6 +82,7 @@ void sp_decode_attention(const Team& team, const TensorView& q, const TensorView
                                   {"lse", lse},
                                   {"options.workspace", options.workspace}},
                                  "sp_decode_attention", stream);
+    detail::check_device_or_mapped_pointer(options.status, "options.status", "sp_decode_attention", stream);
     detail::CollectiveWorkspace& ws = detail::CollectiveWorkspace::get(team, stream, "sp_decode_attention");
     const int64_t batch = plan.params.batch;
     const int64_t heads = plan.params.num_q_heads;

@@ -485,6 +485,108 @@ TEST_F(DecodeAttention, ProgrammaticLaunchWaitsForWhatCameBefore) {
     }
 }
 
+// With a status, block-table entries outside [0, num_pages) (a freed page's -1, an index one past the cache) are never
+// dereferenced: the sequence holding one gets NaN out and lse (in one split, and merged from several), the others are
+// exact, the first one is recorded in options.status, and check_attention_status names it.
+TEST_F(DecodeAttention, BlockTableEntriesOutsideTheCachePoisonTheirSequenceAndAreRecorded) {
+    constexpr int kPages = 32, kSlots = 16, kHeads = 2, kDim = 128, kBatch = 2, kQHeads = 8, kCols = 16;
+    DevicePtr buf = device_alloc(1 << 21);
+    auto* base = static_cast<uint8_t*>(buf.get());
+    const TensorView q(base, DType::kBF16, {kBatch, kQHeads, kDim});                       // at 0
+    const TensorView kv(base + (64 << 10), DType::kBF16, {kPages, kSlots, kHeads, kDim});  // 256 KiB at 64 KiB
+    const TensorView table(base + (384 << 10), DType::kI32, {kBatch, kCols});
+    const TensorView lens(base + (388 << 10), DType::kI32, {kBatch});
+    const TensorView out(base + (392 << 10), DType::kBF16, {kBatch, kQHeads, kDim});
+    const TensorView lse(base + (400 << 10), DType::kF32, {kBatch, kQHeads});
+    Rng rng{fresh_seed()};
+    std::vector<uint16_t> values(static_cast<size_t>(kPages) * kSlots * kHeads * kDim);
+    for (uint16_t& v : values) v = to_bits(rng.uniform(-1.f, 1.f), DType::kBF16);
+    CK(cudaMemcpy(kv.data, values.data(), values.size() * 2, cudaMemcpyHostToDevice));
+    std::vector<uint16_t> qv(static_cast<size_t>(kBatch) * kQHeads * kDim);
+    for (uint16_t& v : qv) v = to_bits(rng.uniform(-2.f, 2.f), DType::kBF16);
+    CK(cudaMemcpy(q.data, qv.data(), qv.size() * 2, cudaMemcpyHostToDevice));
+    const std::vector<int32_t> seq_lens = {40, 100};  // 3 and 7 pages
+    CK(cudaMemcpy(lens.data, seq_lens.data(), sizeof(int32_t) * kBatch, cudaMemcpyHostToDevice));
+    std::vector<int32_t> good(static_cast<size_t>(kBatch) * kCols);
+    for (size_t i = 0; i < good.size(); ++i) good[i] = static_cast<int32_t>((i * 7 + 3) % kPages);
+    std::vector<int32_t> bad = good;
+    bad[1 * kCols + 5] = -1;  // sequence 1, logical page 5 (tokens 80..95)
+    bad[0 * kCols + 9] = -7;  // past sequence 0's 3 pages: never read
+    struct Result {
+        std::vector<uint16_t> out;
+        std::vector<float> lse;
+    };
+    const auto run = [&](const std::vector<int32_t>& t, int splits, ops::AttentionStatus* status) {
+        WEFT_CUDA_CHECK(cudaMemcpy(table.data, t.data(), sizeof(int32_t) * t.size(), cudaMemcpyHostToDevice));
+        WEFT_CUDA_CHECK(cudaMemset(out.data, 0xFF, static_cast<size_t>(out.size_bytes())));
+        WEFT_CUDA_CHECK(cudaMemset(lse.data, 0xFF, static_cast<size_t>(lse.size_bytes())));
+        ops::DecodeAttentionOptions opt;
+        opt.num_splits = splits;
+        opt.status = status;
+        ops::decode_attention(q, kv, kv, table, lens, kCols * kSlots, out, lse, stream_, opt);
+        WEFT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+        Result r{std::vector<uint16_t>(static_cast<size_t>(out.numel())), std::vector<float>(kBatch * kQHeads)};
+        WEFT_CUDA_CHECK(cudaMemcpy(r.out.data(), out.data, r.out.size() * 2, cudaMemcpyDeviceToHost));
+        WEFT_CUDA_CHECK(cudaMemcpy(r.lse.data(), lse.data, r.lse.size() * 4, cudaMemcpyDeviceToHost));
+        return r;
+    };
+    // Sequence 0 as in `want`; every element of sequence 1 NaN.
+    const auto expect_poisoned = [&](const Result& got, const Result& want, const char* what) {
+        const size_t row = static_cast<size_t>(kQHeads) * kDim;
+        EXPECT_TRUE(std::equal(want.out.begin(), want.out.begin() + row, got.out.begin())) << what;
+        EXPECT_TRUE(std::equal(want.lse.begin(), want.lse.begin() + kQHeads, got.lse.begin())) << what;
+        for (size_t i = row; i < 2 * row; ++i) {
+            ASSERT_TRUE((got.out[i] & 0x7F80u) == 0x7F80u && (got.out[i] & 0x7Fu) != 0)
+                << what << ": out element " << i << " = 0x" << std::hex << got.out[i];
+        }
+        for (int h = kQHeads; h < 2 * kQHeads; ++h) EXPECT_TRUE(std::isnan(got.lse[h])) << what << ": lse " << h;
+    };
+    ops::AttentionStatus* status = nullptr;
+    CK(cudaHostAlloc(reinterpret_cast<void**>(&status), sizeof(ops::AttentionStatus), cudaHostAllocMapped));
+    for (const int splits : {1, 4}) {
+        SCOPED_TRACE("num_splits " + std::to_string(splits));
+        *status = {};
+        const Result want = run(good, splits, status);
+        EXPECT_EQ(status->code, 0) << ops::describe_attention_status(*status);
+        for (float x : want.lse) ASSERT_TRUE(std::isfinite(x));
+        expect_poisoned(run(bad, splits, status), want, "-1 in sequence 1");
+        EXPECT_EQ(status->code, 1);
+        EXPECT_EQ(status->sequence, 1);
+        EXPECT_EQ(status->page, 5);
+        EXPECT_EQ(status->value, -1);
+        try {
+            ops::check_attention_status(*status);
+            ADD_FAILURE() << "check_attention_status did not throw";
+        } catch (const Error& e) {
+            EXPECT_NE(std::string(e.what()).find("block_table[1][5] = -1 is outside the cache's pages"),
+                      std::string::npos)
+                << e.what();
+        }
+        // One past the cache: the same, no CUDA error.
+        std::vector<int32_t> past = bad;
+        past[1 * kCols + 5] = kPages;
+        *status = {};
+        expect_poisoned(run(past, splits, status), want, "num_pages in sequence 1");
+        EXPECT_EQ(status->value, kPages);
+        EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+        // The unchecked build (no status) on the good table: the checked build's results, bit for bit.
+        const Result unchecked = run(good, splits, nullptr);
+        EXPECT_EQ(unchecked.out, want.out);
+        EXPECT_EQ(unchecked.lse, want.lse);
+    }
+    // A pageable host status is refused by name before anything is launched.
+    ops::AttentionStatus host_status{};
+    ops::DecodeAttentionOptions opt;
+    opt.status = &host_status;
+    try {
+        ops::decode_attention(q, kv, kv, table, lens, kCols * kSlots, out, lse, stream_, opt);
+        ADD_FAILURE() << "a pageable host status was accepted";
+    } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("options.status ("), std::string::npos) << e.what();
+    }
+    cudaFreeHost(status);
+}
+
 // Bad arguments are errors before anything launches (no device memory touched). The views lie apart in one buffer, so
 // that each call reaches the check it is meant for (an overlap refusal would otherwise answer first), and each error
 // is the one expected.

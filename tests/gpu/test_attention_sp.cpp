@@ -121,10 +121,22 @@ Problem make_problem(int n, int batch, int hq, int hkv, std::vector<int> lens, u
     return pr;
 }
 
+// Every row as the reference's, but those of sequence `nan_sequence` (when >= 0): NaN, out and lse.
 void check(const Problem& pr, const std::vector<uint16_t>& out, const std::vector<float>& lse, int rank,
-           const std::string& what) {
+           const std::string& what, int nan_sequence = -1) {
     int bad = 0;
     for (size_t row = 0; row < pr.lse.size() && bad < 8; ++row) {
+        if (static_cast<int>(row) / pr.hq == nan_sequence) {
+            const bool nan_out = std::all_of(out.begin() + static_cast<std::ptrdiff_t>(row * pr.dim),
+                                             out.begin() + static_cast<std::ptrdiff_t>((row + 1) * pr.dim),
+                                             [](uint16_t x) { return std::isnan(bf16_value(x)); });
+            if (!nan_out || !std::isnan(lse[row])) {
+                ADD_FAILURE() << what << " rank " << rank << ": row " << row << " (sequence " << nan_sequence
+                              << ") is not NaN: lse " << lse[row];
+                ++bad;
+            }
+            continue;
+        }
         const bool empty = std::isinf(pr.lse[row]);
         if (empty ? !(std::isinf(lse[row]) && lse[row] < 0) : !(std::fabs(lse[row] - pr.lse[row]) <= 2e-3)) {
             ADD_FAILURE() << what << " rank " << rank << ": lse[" << row << "] = " << lse[row] << ", want "
@@ -145,8 +157,10 @@ void check(const Problem& pr, const std::vector<uint16_t>& out, const std::vecto
 }
 
 // Every rank builds its shard, calls sp_decode_attention `calls` times (eagerly, then from a graph when asked) and
-// checks its output after each.
-void run_sp(int n, const Problem& pr, bool graph) {
+// checks its output after each. With `bad_rank` >= 0, every rank passes a status, and that rank's block table holds
+// -1 at the first page of the first sequence it has tokens of: one call, that sequence NaN on every rank, the others
+// exact, the entry recorded in that rank's status only.
+void run_sp(int n, const Problem& pr, bool graph, int bad_rank = -1) {
     // A small staging region keeps the collective workspace within the test's heap (the LL buffer is what this op
     // uses).
     const testing::ScopedEnv staging("WEFT_COLLECTIVE_STAGING_BYTES", std::string("1M"));
@@ -189,6 +203,15 @@ void run_sp(int n, const Problem& pr, bool graph) {
                     std::copy_n(pr.v[static_cast<size_t>(b)].begin() + static_cast<std::ptrdiff_t>(src), row_elems,
                                 vc.begin() + static_cast<std::ptrdiff_t>(dst));
                 }
+            }
+            int bad_sequence = -1;
+            if (bad_rank >= 0) {
+                for (int b = 0; b < pr.batch && bad_sequence < 0; ++b) {
+                    const auto& c = pr.cuts[static_cast<size_t>(b)];
+                    if (c[static_cast<size_t>(bad_rank) + 1] > c[static_cast<size_t>(bad_rank)]) bad_sequence = b;
+                }
+                ASSERT_GE(bad_sequence, 0) << "rank " << bad_rank << " holds no token";
+                if (me == bad_rank) table[static_cast<size_t>(bad_sequence * max_pages)] = -1;
             }
             void *dq, *dk, *dv, *dt, *dl, *dout, *dlse;
             WEFT_CUDA_CHECK(cudaMalloc(&dq, pr.q.size() * 2));
@@ -234,7 +257,32 @@ void run_sp(int n, const Problem& pr, bool graph) {
                 }
                 check(pr, out, lse, me, what + (negated ? " (on -V)" : ""));
             };
-            for (int call = 0; call < 3; ++call) {
+            if (bad_rank >= 0) {
+                ops::AttentionStatus* status = nullptr;
+                WEFT_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&status), sizeof(*status), cudaHostAllocMapped));
+                *status = {};
+                ops::DecodeAttentionOptions options;
+                options.status = status;
+                WEFT_CUDA_CHECK(cudaMemsetAsync(dout, 0xff, pr.q.size() * 2, s));
+                WEFT_CUDA_CHECK(cudaMemsetAsync(dlse, 0xff, pr.lse.size() * 4, s));
+                ops::sp_decode_attention(w, tq, tk, tv, tt, tl, max_seq_len, tout, tlse, s, options);
+                w.sync_and_check(s);
+                std::vector<uint16_t> out(pr.q.size());
+                std::vector<float> lse(pr.lse.size());
+                WEFT_CUDA_CHECK(cudaMemcpy(out.data(), dout, out.size() * 2, cudaMemcpyDeviceToHost));
+                WEFT_CUDA_CHECK(cudaMemcpy(lse.data(), dlse, lse.size() * 4, cudaMemcpyDeviceToHost));
+                check(pr, out, lse, me, "a -1 block-table entry on rank " + std::to_string(bad_rank), bad_sequence);
+                if (me == bad_rank) {
+                    EXPECT_EQ(status->code, 1);
+                    EXPECT_EQ(status->sequence, bad_sequence);
+                    EXPECT_EQ(status->page, 0);
+                    EXPECT_EQ(status->value, -1);
+                } else {
+                    EXPECT_EQ(status->code, 0) << "rank " << me << ": " << ops::describe_attention_status(*status);
+                }
+                WEFT_CUDA_CHECK(cudaFreeHost(status));
+            }
+            for (int call = 0; call < (bad_rank >= 0 ? 0 : 3); ++call) {
                 set_v(call % 2 == 1);
                 WEFT_CUDA_CHECK(cudaMemsetAsync(dout, 0xff, pr.q.size() * 2, s));
                 WEFT_CUDA_CHECK(cudaMemsetAsync(dlse, 0xff, pr.lse.size() * 4, s));
@@ -292,6 +340,15 @@ TEST(SpDecodeAttention, ManySequencesTakeSeveralRounds) {
     run_sp(2, pr, false);
     const Problem wide = make_problem(3, 6, 96, 12, {100, 0, 7, 2000, 1, 64}, seed + 1);
     run_sp(3, wide, false);
+}
+
+// A status given: a block-table entry outside one rank's cache poisons its sequence on every rank (a partial LSE of
+// +inf), the other sequences stay exact, and only that rank records it.
+TEST(SpDecodeAttention, ABadBlockTableEntryOnOneRankMakesItsSequenceNaNOnEveryRank) {
+    if (!have_sm90()) GTEST_SKIP() << "needs an sm_90 GPU";
+    const uint64_t seed = std::random_device{}();
+    run_sp(1, make_problem(1, 3, 8, 2, {300, 50, 4000}, seed), false, 0);
+    run_sp(3, make_problem(3, 4, 8, 2, {1000, 3000, 5, 20000}, seed + 1), false, 2);
 }
 
 // Ranks that call with different batches (or head dims) are a call mismatch on every rank, named, not merged rows of

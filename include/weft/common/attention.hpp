@@ -25,6 +25,9 @@ struct AttentionDecodeConfig {
     DType dtype = DType::kBF16;  ///< Q, K, V and the output: bf16 or f16; scores, softmax and sums in fp32
     int32_t head_dim = 128;      ///< 64, 128 or 256
     int32_t stages = 3;          ///< cp.async pipeline depth, in tiles of kAttentionTileTokens tokens (2..8)
+    /// The split kernel checks every block-table entry it reads against [0, num_pages) (a call given a status);
+    /// without, it is the kernel that trusts them (no instruction of the check in it).
+    bool check_pages = false;
 };
 
 /// Bytes of shared memory the split kernel uses: the Q tile (16 rows) and `stages` K and V tiles.
@@ -133,6 +136,15 @@ WEFT_HOST_DEVICE constexpr uint64_t attention_descriptor_of_tag(uint64_t mine, u
 /// LL lines (8 bytes of payload each) of one pushed row.
 WEFT_HOST_DEVICE constexpr int64_t attention_push_row_lines(int64_t head_dim) { return (head_dim + 2) / 2; }
 
+/// A decode call's first block-table entry outside [0, num_pages) (DecodeAttentionOptions::status: device or
+/// host-mapped memory, 16 bytes, zeroed by the caller; the first bad entry found claims it).
+struct AttentionStatus {
+    int32_t code;      ///< 0: nothing found; 1: a block-table entry outside [0, num_pages)
+    int32_t sequence;  ///< b: the sequence (row of block_table) of the entry, within the call
+    int32_t page;      ///< j: its logical page (column of block_table)
+    int32_t value;     ///< block_table[b][j] as read
+};
+
 /// Everything the split and combine kernels read, by value. Strides are in elements. Layouts:
 ///   q            [batch, num_q_heads, head_dim]           (row strides q_batch_stride, q_head_stride)
 ///   k, v         [num_pages, page_size, num_kv_heads, head_dim] (strides page_stride, slot_stride, head_stride)
@@ -165,10 +177,12 @@ struct AttentionDecodeParams {
     int32_t num_kv_heads = 0;
     int32_t group = 1;  ///< num_q_heads / num_kv_heads, 1..16
     int32_t page_size = 1;
-    int32_t page_shift = -1;   ///< log2(page_size) when it is a power of two (shift and mask), else -1 (divide)
-    int32_t num_splits = 1;    ///< 1: the split kernel writes out and lse itself; no combine kernel
-    float scale_log2 = 0.f;    ///< softmax scale x log2(e): scores are kept in base 2
-    int32_t push_enabled = 0;  ///< 1: the final rows go to `push` (sequence-parallel), not to out / lse
+    int32_t page_shift = -1;  ///< log2(page_size) when it is a power of two (shift and mask), else -1 (divide)
+    int32_t num_pages = 0;    ///< k_cache's pages (at most 2^31 - 1 addressable); check_pages: an entry outside is bad
+    AttentionStatus* status = nullptr;  ///< where a bad block-table entry is recorded, or null
+    int32_t num_splits = 1;             ///< 1: the split kernel writes out and lse itself; no combine kernel
+    float scale_log2 = 0.f;             ///< softmax scale x log2(e): scores are kept in base 2
+    int32_t push_enabled = 0;           ///< 1: the final rows go to `push` (sequence-parallel), not to out / lse
     AttentionPeerPush push{};
 };
 

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <functional>
 #include <optional>
+#include <string>
 
 #include "weft/common/attention.hpp"
 #include "weft/jit/compiler.hpp"
@@ -19,6 +20,8 @@ class Team;
 }  // namespace weft
 
 namespace weft::ops {
+
+using weft::AttentionStatus;
 
 struct DecodeAttentionOptions {
     /// Softmax scale applied to q.k; nullopt: 1 / sqrt(head_dim). Finite, at most about 2.3e38 in magnitude, and the
@@ -41,7 +44,18 @@ struct DecodeAttentionOptions {
     /// Capturable: in a CUDA graph the launch becomes a programmatic edge. (The combine kernel always launches so
     /// behind the split kernel.)
     bool programmatic_launch = false;
+    /// Given (device or host-mapped memory, zeroed by the caller), the call checks every block-table entry it reads:
+    /// one outside [0, num_pages) is never dereferenced, its sequence's out and lse are NaN, and the first one found
+    /// is recorded here (check_attention_status turns a record into a weft::Error). Null: the entries are trusted (a
+    /// bad one is an out-of-bounds read). The check is a second kernel build, up to 7% slower (one H100, head_dim 256,
+    /// batch 8, 128K tokens; docs/performance.md).
+    AttentionStatus* status = nullptr;
 };
+
+/// The message of a status record (DecodeAttentionOptions::status); empty when it is zero.
+std::string describe_attention_status(const AttentionStatus& status);
+/// Throws weft::Error with describe_attention_status unless the record is zero.
+void check_attention_status(const AttentionStatus& status);
 
 /// Decode attention for `batch` sequences, each with one query token:
 ///   out[b, h, :] = sum_j softmax_j(scale * q[b, h, :] . k_j) v_j   over the first seq_lens[b] tokens of sequence b,
@@ -56,8 +70,9 @@ struct DecodeAttentionOptions {
 ///                fit, the latter as a strided view)
 ///   v_cache      same dtype, shape and strides as k_cache
 ///   block_table  i32 [batch, max_pages_per_seq], innermost stride 1; the entries of the tokens read (those below
-///                seq_lens[b] clipped to max_seq_len) must be valid page indices (< num_pages; not checked on the
-///                device); the others are never read
+///                seq_lens[b] clipped to max_seq_len) must be valid page indices in [0, num_pages), checked only
+///                when options.status is given (then one outside makes its sequence's out and lse NaN and is
+///                recorded there; without, it is an out-of-bounds read); the others are never read
 ///   seq_lens     i32 [batch], contiguous; lengths are clipped to [0, max_seq_len] (out and lse then cover the
 ///                clipped length)
 ///   max_seq_len  an upper bound of seq_lens (it sizes the split plan), 0 <= max_seq_len <= max_pages_per_seq *
