@@ -43,6 +43,7 @@ struct Options {
     std::vector<int64_t> pages = {1, 16};
     std::vector<int64_t> splits = {0};  // DecodeAttentionOptions::num_splits; 0 = the automatic plan
     bool programmatic = false;          // DecodeAttentionOptions::programmatic_launch
+    bool check_pages = false;           // pass a DecodeAttentionOptions::status: the build that checks the block table
     int dim = 128;
     DType dtype = DType::kBF16;
     int iters = 20;
@@ -119,6 +120,10 @@ Options parse(int argc, char** argv) {
                [&](const std::string& v) { o.splits = weft::bench::parse_int_list(v, "--splits", 0, 256); });
     cli.flag("--programmatic", "launch the split kernel programmatically (DecodeAttentionOptions::programmatic_launch)",
              &o.programmatic);
+    cli.flag("--check-pages",
+             "pass a status (DecodeAttentionOptions::status): the split kernel's build that checks every block-table "
+             "entry",
+             &o.check_pages);
     cli.option("--dim", "D", "head dimension: 64, 128 or 256 (default 128)", [&](const std::string& v) {
         o.dim = static_cast<int>(weft::bench::parse_int(v, "--dim", 64, 256));
         if (o.dim != 64 && o.dim != 128 && o.dim != 256) throw weft::bench::UsageError("--dim: 64, 128 or 256");
@@ -210,6 +215,11 @@ int main(int argc, char** argv) {
                             weft::ops::DecodeAttentionOptions o;
                             o.num_splits = static_cast<int32_t>(requested);
                             o.programmatic_launch = opt.programmatic;
+                            DeviceBuffer status(opt.check_pages ? sizeof(weft::ops::AttentionStatus) : 0);
+                            if (opt.check_pages) {
+                                BENCH_CUDA(cudaMemsetAsync(status.ptr, 0, sizeof(weft::ops::AttentionStatus), stream));
+                                o.status = static_cast<weft::ops::AttentionStatus*>(status.ptr);
+                            }
                             const uint64_t ws_bytes =
                                 weft::ops::decode_attention_workspace_bytes(batch, h.q, h.kv, opt.dim, len, o);
                             DeviceBuffer ws(static_cast<size_t>(ws_bytes));

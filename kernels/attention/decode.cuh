@@ -4,7 +4,7 @@
 // combine kernel that merges the splits' partial outputs by their log-sum-exp.
 //
 // Launched by weft::ops::decode_attention (src/ops/attention.cpp) through the JIT, one specialisation per
-// AttentionDecodeConfig{dtype, head_dim, stages}. Schedule, knobs and pitfalls: README.md here.
+// AttentionDecodeConfig{dtype, head_dim, stages, check_pages}. Schedule, knobs and pitfalls: README.md here.
 #pragma once
 
 #include "weft/common/attention.hpp"
@@ -103,10 +103,11 @@ __device__ __forceinline__ void push_row_part(const AttentionDecodeParams& p, in
     }
 }
 
-/// Records a block-table entry outside the cache in `status` (when given; the first one found claims it).
+/// Records a block-table entry outside the cache in `status` (when given; the first one found claims it: a plain load
+/// first, so that a record already made costs no atomic).
 __device__ __forceinline__ void record_bad_page(AttentionStatus* status, int32_t sequence, int32_t page,
                                                 int32_t value) {
-    if (status == nullptr) return;
+    if (status == nullptr || *reinterpret_cast<volatile int32_t*>(&status->code) != 0) return;
     if (atomicCAS(&status->code, 0, -1) == 0) {
         status->sequence = sequence;
         status->page = page;
@@ -216,7 +217,7 @@ __global__ void __launch_bounds__(kAttentionThreads) decode_split(AttentionDecod
             const int t = first + tile * kTile + my_row + i * kRowsPerPass;
             const int32_t entry = t < end ? table[page_of(t)] : 0;
             if constexpr (C.check_pages) {
-                pages[i] = clamp && static_cast<uint32_t>(entry) >= static_cast<uint32_t>(p.num_pages) ? 0 : entry;
+                pages[i] = clamp && static_cast<uint32_t>(entry) >= p.num_pages ? 0 : entry;
             } else {
                 pages[i] = entry;
             }
@@ -274,7 +275,7 @@ __global__ void __launch_bounds__(kAttentionThreads) decode_split(AttentionDecod
     // loop's lookups then need no compare). A split holding an entry outside [0, num_pages) reads nothing more and
     // poisons its rows (num_tiles = -1: NaN out; lse NaN, or +inf in a partial, which makes the merged row NaN); the
     // first entry found is recorded in p.status. Only a call given a status compiles this in: measured on one H100, it
-    // made the kernel up to 7% slower (head_dim 256, batch 8, 128K tokens), though it runs before the loop.
+    // made the kernel up to 4% slower (head_dim 256, batch 8, 128K tokens), though it runs before the loop.
     if constexpr (C.check_pages) {
         const unsigned first_page = page_of(first);
         const unsigned end_page = end > first ? page_of(end - 1) + 1 : first_page;
@@ -282,9 +283,9 @@ __global__ void __launch_bounds__(kAttentionThreads) decode_split(AttentionDecod
 #pragma unroll 4
         for (unsigned j = first_page + static_cast<unsigned>(tid); j < end_page; j += kAttentionThreads) {
             const int32_t entry = table[j];
-            if (static_cast<uint32_t>(entry) >= static_cast<uint32_t>(p.num_pages)) {
+            if (static_cast<uint32_t>(entry) >= p.num_pages) {
+                if (!bad) record_bad_page(p.status, p.sequence_base + b, static_cast<int32_t>(j), entry);  // its first
                 bad = true;
-                record_bad_page(p.status, b, static_cast<int32_t>(j), entry);
             }
         }
         if (__syncthreads_or(bad)) num_tiles = -1;
@@ -469,8 +470,8 @@ __global__ void __launch_bounds__(kAttentionCombineThreads, 1) decode_combine(At
     static_assert(is_valid(C), "AttentionDecodeConfig: see is_valid() in weft/common/attention.hpp");
     using E = Elem<C.dtype>;
     constexpr int kDim = C.head_dim;
-    constexpr int kVecs = kDim / 4;                             // float4 per row
-    constexpr int kLanes = kAttentionCombineThreads / kVecs;    // splits read side by side
+    constexpr int kVecs = kDim / 4;                           // float4 per row
+    constexpr int kLanes = kAttentionCombineThreads / kVecs;  // splits read side by side
     constexpr int kWarps = kAttentionCombineThreads / 32;
     static_assert(kAttentionCombineThreads % kVecs == 0 && kLanes >= 1, "a row's columns must divide the block");
     __shared__ float weight[kAttentionMaxSplits];

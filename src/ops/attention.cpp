@@ -219,7 +219,8 @@ DecodeAttentionPlan plan_decode_attention(const TensorView& q, const TensorView&
     p.num_kv_heads = static_cast<int32_t>(num_kv_heads);
     p.group = static_cast<int32_t>(group);
     p.page_size = static_cast<int32_t>(page_size);
-    p.num_pages = static_cast<int32_t>(std::min<int64_t>(num_pages, INT32_MAX));  // i32 entries reach no further
+    p.num_pages =
+        static_cast<uint32_t>(std::min<int64_t>(num_pages, int64_t{1} << 31));  // i32 entries reach no further
     p.status = options.status;
     p.page_shift = -1;
     if ((page_size & (page_size - 1)) == 0) {

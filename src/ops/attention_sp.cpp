@@ -22,11 +22,12 @@ namespace {
 
 // The decode configs a World's teams have loaded and met over: a World extension, so that it ends with its World.
 struct LoadedDecodeConfigs final : WorldExtension {
-    std::set<std::tuple<std::string, int, int, int, bool>> loaded;  // team id, dtype, head dim, stages, check_pages
+    std::set<std::tuple<std::string, int, int, int>> loaded;  // team id, dtype, head dim, stages
 };
 
 // Loads the decode kernels of `config` the first time a team uses them, then meets the team: no rank launches
-// the spinning combine kernel while another is still loading a module (CUDA may wait for the context to idle).
+// the spinning combine kernel while another is still loading a module (CUDA may wait for the context to idle). Both
+// split builds (with and without the block-table check) at that one meeting: ranks may differ in passing a status.
 // The World's extensions belong to the rank's own thread: no lock.
 void ensure_loaded(const Team& team, const AttentionDecodeConfig& config, cudaStream_t stream) {
     constexpr const char* kExtension = "weft.sp_decode_attention.loaded";
@@ -36,13 +37,16 @@ void ensure_loaded(const Team& team, const AttentionDecodeConfig& config, cudaSt
         ext = static_cast<LoadedDecodeConfigs*>(
             &world.add_extension(kExtension, std::make_unique<LoadedDecodeConfigs>()));
     }
-    const auto key =
-        std::make_tuple(team.id(), static_cast<int>(config.dtype), config.head_dim, config.stages, config.check_pages);
+    const auto key = std::make_tuple(team.id(), static_cast<int>(config.dtype), config.head_dim, config.stages);
     if (ext->loaded.count(key) != 0) return;
     // The same first calls on every member (the same shapes): every member refuses alike.
     detail::refuse_setup_under_capture(stream, "sp_decode_attention",
                                        "loading its decode kernels for this head_dim and dtype and meeting the team");
-    detail::load_decode_attention_kernels(config);
+    for (const bool check_pages : {false, true}) {
+        AttentionDecodeConfig c = config;
+        c.check_pages = check_pages;
+        detail::load_decode_attention_kernels(c);
+    }
     team.barrier();
     ext->loaded.insert(key);
 }
@@ -113,6 +117,7 @@ void sp_decode_attention(const Team& team, const TensorView& q, const TensorView
         p.q = static_cast<const uint8_t*>(p.q) + b0 * p.q_batch_stride * elem;
         p.block_table += b0 * p.block_table_stride;
         p.seq_lens += b0;
+        p.sequence_base = static_cast<int32_t>(b0);
         p.batch = static_cast<int32_t>(nb);
         p.out = nullptr;
         p.lse = nullptr;

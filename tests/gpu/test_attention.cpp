@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -138,8 +139,8 @@ struct Case {
     bool want_lse = true;
     bool explicit_workspace = false;
     bool programmatic = false;  // DecodeAttentionOptions::programmatic_launch
-    int extra_max_len = 0;  // max_seq_len above the longest sequence
-    float q_scale = 2.f;    // q in [-q_scale, q_scale]: peaked and flat softmax rows both occur
+    int extra_max_len = 0;      // max_seq_len above the longest sequence
+    float q_scale = 2.f;        // q in [-q_scale, q_scale]: peaked and flat softmax rows both occur
 };
 
 std::string describe(const Case& c) {
@@ -485,106 +486,158 @@ TEST_F(DecodeAttention, ProgrammaticLaunchWaitsForWhatCameBefore) {
     }
 }
 
-// With a status, block-table entries outside [0, num_pages) (a freed page's -1, an index one past the cache) are never
-// dereferenced: the sequence holding one gets NaN out and lse (in one split, and merged from several), the others are
-// exact, the first one is recorded in options.status, and check_attention_status names it.
+// With a status, block-table entries outside [0, num_pages) are never dereferenced: entries terabytes away (a read
+// would fault the context) in a page the prologue copies and in one only the main loop reads, at head_dim 64/128/256
+// and page sizes 16, 24 (divided, not shifted) and 128 (two tiles per page), in one split and in several. The sequences
+// holding one get NaN out and lse, the others are bit for bit those of the good table, the first bad entry found is
+// recorded in options.status and check_attention_status names it; the unchecked build (no status) on the good table
+// equals the checked one bit for bit.
 TEST_F(DecodeAttention, BlockTableEntriesOutsideTheCachePoisonTheirSequenceAndAreRecorded) {
-    constexpr int kPages = 32, kSlots = 16, kHeads = 2, kDim = 128, kBatch = 2, kQHeads = 8, kCols = 16;
-    DevicePtr buf = device_alloc(1 << 21);
-    auto* base = static_cast<uint8_t*>(buf.get());
-    const TensorView q(base, DType::kBF16, {kBatch, kQHeads, kDim});                       // at 0
-    const TensorView kv(base + (64 << 10), DType::kBF16, {kPages, kSlots, kHeads, kDim});  // 256 KiB at 64 KiB
-    const TensorView table(base + (384 << 10), DType::kI32, {kBatch, kCols});
-    const TensorView lens(base + (388 << 10), DType::kI32, {kBatch});
-    const TensorView out(base + (392 << 10), DType::kBF16, {kBatch, kQHeads, kDim});
-    const TensorView lse(base + (400 << 10), DType::kF32, {kBatch, kQHeads});
+    constexpr int kHeads = 2, kQHeads = 8, kBatch = 3, kMaxLen = 1024;
+    const std::vector<int32_t> seq_lens = {40, 100, 1000};
     Rng rng{fresh_seed()};
-    std::vector<uint16_t> values(static_cast<size_t>(kPages) * kSlots * kHeads * kDim);
-    for (uint16_t& v : values) v = to_bits(rng.uniform(-1.f, 1.f), DType::kBF16);
-    CK(cudaMemcpy(kv.data, values.data(), values.size() * 2, cudaMemcpyHostToDevice));
-    std::vector<uint16_t> qv(static_cast<size_t>(kBatch) * kQHeads * kDim);
-    for (uint16_t& v : qv) v = to_bits(rng.uniform(-2.f, 2.f), DType::kBF16);
-    CK(cudaMemcpy(q.data, qv.data(), qv.size() * 2, cudaMemcpyHostToDevice));
-    const std::vector<int32_t> seq_lens = {40, 100};  // 3 and 7 pages
-    CK(cudaMemcpy(lens.data, seq_lens.data(), sizeof(int32_t) * kBatch, cudaMemcpyHostToDevice));
-    std::vector<int32_t> good(static_cast<size_t>(kBatch) * kCols);
-    for (size_t i = 0; i < good.size(); ++i) good[i] = static_cast<int32_t>((i * 7 + 3) % kPages);
-    std::vector<int32_t> bad = good;
-    bad[1 * kCols + 5] = -1;  // sequence 1, logical page 5 (tokens 80..95)
-    bad[0 * kCols + 9] = -7;  // past sequence 0's 3 pages: never read
-    struct Result {
-        std::vector<uint16_t> out;
-        std::vector<float> lse;
-    };
-    const auto run = [&](const std::vector<int32_t>& t, int splits, ops::AttentionStatus* status) {
-        WEFT_CUDA_CHECK(cudaMemcpy(table.data, t.data(), sizeof(int32_t) * t.size(), cudaMemcpyHostToDevice));
-        WEFT_CUDA_CHECK(cudaMemset(out.data, 0xFF, static_cast<size_t>(out.size_bytes())));
-        WEFT_CUDA_CHECK(cudaMemset(lse.data, 0xFF, static_cast<size_t>(lse.size_bytes())));
-        ops::DecodeAttentionOptions opt;
-        opt.num_splits = splits;
-        opt.status = status;
-        ops::decode_attention(q, kv, kv, table, lens, kCols * kSlots, out, lse, stream_, opt);
-        WEFT_CUDA_CHECK(cudaStreamSynchronize(stream_));
-        Result r{std::vector<uint16_t>(static_cast<size_t>(out.numel())), std::vector<float>(kBatch * kQHeads)};
-        WEFT_CUDA_CHECK(cudaMemcpy(r.out.data(), out.data, r.out.size() * 2, cudaMemcpyDeviceToHost));
-        WEFT_CUDA_CHECK(cudaMemcpy(r.lse.data(), lse.data, r.lse.size() * 4, cudaMemcpyDeviceToHost));
-        return r;
-    };
-    // Sequence 0 as in `want`; every element of sequence 1 NaN.
-    const auto expect_poisoned = [&](const Result& got, const Result& want, const char* what) {
-        const size_t row = static_cast<size_t>(kQHeads) * kDim;
-        EXPECT_TRUE(std::equal(want.out.begin(), want.out.begin() + row, got.out.begin())) << what;
-        EXPECT_TRUE(std::equal(want.lse.begin(), want.lse.begin() + kQHeads, got.lse.begin())) << what;
-        for (size_t i = row; i < 2 * row; ++i) {
-            ASSERT_TRUE((got.out[i] & 0x7F80u) == 0x7F80u && (got.out[i] & 0x7Fu) != 0)
-                << what << ": out element " << i << " = 0x" << std::hex << got.out[i];
+    for (const int dim : {64, 128, 256}) {
+        for (const int page : {16, 24, 128}) {
+            SCOPED_TRACE("head_dim " + std::to_string(dim) + ", page_size " + std::to_string(page));
+            const int cols = (kMaxLen + page - 1) / page;
+            int pages = 0;
+            for (int32_t len : seq_lens) pages += (len + page - 1) / page;
+            const size_t kv_bytes = static_cast<size_t>(pages) * page * kHeads * dim * 2;
+            const size_t q_bytes = static_cast<size_t>(kBatch) * kQHeads * dim * 2;
+            DevicePtr buf = device_alloc(kv_bytes + 2 * q_bytes + (1 << 16));
+            auto* base = static_cast<uint8_t*>(buf.get());
+            const TensorView kv(base, DType::kBF16, {pages, page, kHeads, dim});
+            const TensorView q(base + kv_bytes, DType::kBF16, {kBatch, kQHeads, dim});
+            const TensorView out(base + kv_bytes + q_bytes, DType::kBF16, {kBatch, kQHeads, dim});
+            uint8_t* const tail = base + kv_bytes + 2 * q_bytes;
+            const TensorView lse(tail, DType::kF32, {kBatch, kQHeads});
+            const TensorView lens(tail + 256, DType::kI32, {kBatch});
+            const TensorView table(tail + 512, DType::kI32, {kBatch, cols});
+            std::vector<uint16_t> values(kv_bytes / 2);
+            for (uint16_t& v : values) v = to_bits(rng.uniform(-1.f, 1.f), DType::kBF16);
+            CK(cudaMemcpy(kv.data, values.data(), kv_bytes, cudaMemcpyHostToDevice));
+            std::vector<uint16_t> qv(q_bytes / 2);
+            for (uint16_t& v : qv) v = to_bits(rng.uniform(-2.f, 2.f), DType::kBF16);
+            CK(cudaMemcpy(q.data, qv.data(), q_bytes, cudaMemcpyHostToDevice));
+            CK(cudaMemcpy(lens.data, seq_lens.data(), sizeof(int32_t) * kBatch, cudaMemcpyHostToDevice));
+            // Every page used once, in a shuffled order; columns past a sequence's pages hold -9 (never read).
+            std::vector<int32_t> order(static_cast<size_t>(pages));
+            std::iota(order.begin(), order.end(), 0);
+            std::shuffle(order.begin(), order.end(), std::mt19937(static_cast<unsigned>(dim + page)));
+            std::vector<int32_t> good(static_cast<size_t>(kBatch) * cols, -9);
+            size_t next = 0;
+            for (int b = 0; b < kBatch; ++b) {
+                for (int j = 0; j < (seq_lens[static_cast<size_t>(b)] + page - 1) / page; ++j) {
+                    good[static_cast<size_t>(b) * cols + j] = order[next++];
+                }
+            }
+            struct Result {
+                std::vector<uint16_t> out;
+                std::vector<float> lse;
+            };
+            const auto run = [&](const std::vector<int32_t>& t, int splits, ops::AttentionStatus* status) {
+                WEFT_CUDA_CHECK(cudaMemcpy(table.data, t.data(), sizeof(int32_t) * t.size(), cudaMemcpyHostToDevice));
+                WEFT_CUDA_CHECK(cudaMemset(out.data, 0xFF, static_cast<size_t>(out.size_bytes())));
+                WEFT_CUDA_CHECK(cudaMemset(lse.data, 0xFF, static_cast<size_t>(lse.size_bytes())));
+                ops::DecodeAttentionOptions opt;
+                opt.num_splits = splits;
+                opt.status = status;
+                ops::decode_attention(q, kv, kv, table, lens, kMaxLen, out, lse, stream_, opt);
+                WEFT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+                Result r{std::vector<uint16_t>(q_bytes / 2), std::vector<float>(kBatch * kQHeads)};
+                WEFT_CUDA_CHECK(cudaMemcpy(r.out.data(), out.data, q_bytes, cudaMemcpyDeviceToHost));
+                WEFT_CUDA_CHECK(cudaMemcpy(r.lse.data(), lse.data, r.lse.size() * 4, cudaMemcpyDeviceToHost));
+                return r;
+            };
+            // The sequences in `poisoned` NaN in every element, the others as in `want`.
+            const auto expect = [&](const Result& got, const Result& want, std::initializer_list<int> poisoned,
+                                    const std::string& what) {
+                const size_t row = static_cast<size_t>(kQHeads) * dim;
+                for (int b = 0; b < kBatch; ++b) {
+                    const bool nan = std::find(poisoned.begin(), poisoned.end(), b) != poisoned.end();
+                    for (size_t i = b * row; i < (b + 1) * row; ++i) {
+                        const bool is_nan = (got.out[i] & 0x7F80u) == 0x7F80u && (got.out[i] & 0x7Fu) != 0;
+                        ASSERT_TRUE(nan ? is_nan : got.out[i] == want.out[i])
+                            << what << ": sequence " << b << ", out element " << i - b * row << " = 0x" << std::hex
+                            << got.out[i];
+                    }
+                    for (int h = b * kQHeads; h < (b + 1) * kQHeads; ++h) {
+                        ASSERT_TRUE(nan ? std::isnan(got.lse[h]) : got.lse[h] == want.lse[h])
+                            << what << ": sequence " << b << ", lse " << h << " = " << got.lse[h];
+                    }
+                }
+            };
+            const int32_t prologue_page = 85 / page;  // token 85 of sequence 1: within the first two tiles
+            const int32_t loop_page = 900 / page;     // token 900 of sequence 2: a tile the prologue never copies
+            ops::AttentionStatus* status = nullptr;
+            CK(cudaHostAlloc(reinterpret_cast<void**>(&status), sizeof(ops::AttentionStatus), cudaHostAllocMapped));
+            for (const int splits : {1, 4}) {
+                SCOPED_TRACE("num_splits " + std::to_string(splits));
+                *status = {};
+                const Result want = run(good, splits, status);
+                EXPECT_EQ(status->code, 0) << ops::describe_attention_status(*status);
+                for (float x : want.lse) ASSERT_TRUE(std::isfinite(x));
+                const Result unchecked = run(good, splits, nullptr);
+                EXPECT_EQ(unchecked.out, want.out) << "the unchecked build";
+                EXPECT_EQ(unchecked.lse, want.lse) << "the unchecked build";
+                // In the main loop only: that entry is recorded, named, and its sequence alone is NaN.
+                std::vector<int32_t> bad = good;
+                bad[2 * cols + loop_page] = 1 << 30;
+                *status = {};
+                expect(run(bad, splits, status), want, {2}, "1 << 30 read by the loop");
+                EXPECT_EQ(status->code, 1);
+                EXPECT_EQ(status->sequence, 2);
+                EXPECT_EQ(status->page, loop_page);
+                EXPECT_EQ(status->value, 1 << 30);
+                try {
+                    ops::check_attention_status(*status);
+                    ADD_FAILURE() << "check_attention_status did not throw";
+                } catch (const Error& e) {
+                    const std::string want_text = "block_table[2][" + std::to_string(loop_page) +
+                                                  "] = " + std::to_string(1 << 30) + " is outside the cache's pages";
+                    EXPECT_NE(std::string(e.what()).find(want_text), std::string::npos) << e.what();
+                }
+                // And in a prologue tile of another sequence: both NaN, one of the two recorded.
+                bad[1 * cols + prologue_page] = INT32_MIN;
+                *status = {};
+                expect(run(bad, splits, status), want, {1, 2}, "INT32_MIN in a prologue tile too");
+                EXPECT_EQ(status->code, 1);
+                EXPECT_TRUE((status->sequence == 1 && status->page == prologue_page && status->value == INT32_MIN) ||
+                            (status->sequence == 2 && status->page == loop_page && status->value == 1 << 30))
+                    << ops::describe_attention_status(*status);
+                // One past the cache, and -1: the bounds exactly.
+                std::vector<int32_t> edge = good;
+                edge[1 * cols + prologue_page] = pages;
+                *status = {};
+                expect(run(edge, splits, status), want, {1}, "num_pages");
+                EXPECT_EQ(status->value, pages);
+                edge[1 * cols + prologue_page] = -1;
+                *status = {};
+                expect(run(edge, splits, status), want, {1}, "-1");
+                EXPECT_EQ(status->value, -1);
+                EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+            }
+            cudaFreeHost(status);
         }
-        for (int h = kQHeads; h < 2 * kQHeads; ++h) EXPECT_TRUE(std::isnan(got.lse[h])) << what << ": lse " << h;
-    };
-    ops::AttentionStatus* status = nullptr;
-    CK(cudaHostAlloc(reinterpret_cast<void**>(&status), sizeof(ops::AttentionStatus), cudaHostAllocMapped));
-    for (const int splits : {1, 4}) {
-        SCOPED_TRACE("num_splits " + std::to_string(splits));
-        *status = {};
-        const Result want = run(good, splits, status);
-        EXPECT_EQ(status->code, 0) << ops::describe_attention_status(*status);
-        for (float x : want.lse) ASSERT_TRUE(std::isfinite(x));
-        expect_poisoned(run(bad, splits, status), want, "-1 in sequence 1");
-        EXPECT_EQ(status->code, 1);
-        EXPECT_EQ(status->sequence, 1);
-        EXPECT_EQ(status->page, 5);
-        EXPECT_EQ(status->value, -1);
-        try {
-            ops::check_attention_status(*status);
-            ADD_FAILURE() << "check_attention_status did not throw";
-        } catch (const Error& e) {
-            EXPECT_NE(std::string(e.what()).find("block_table[1][5] = -1 is outside the cache's pages"),
-                      std::string::npos)
-                << e.what();
-        }
-        // One past the cache: the same, no CUDA error.
-        std::vector<int32_t> past = bad;
-        past[1 * kCols + 5] = kPages;
-        *status = {};
-        expect_poisoned(run(past, splits, status), want, "num_pages in sequence 1");
-        EXPECT_EQ(status->value, kPages);
-        EXPECT_EQ(cudaGetLastError(), cudaSuccess);
-        // The unchecked build (no status) on the good table: the checked build's results, bit for bit.
-        const Result unchecked = run(good, splits, nullptr);
-        EXPECT_EQ(unchecked.out, want.out);
-        EXPECT_EQ(unchecked.lse, want.lse);
     }
     // A pageable host status is refused by name before anything is launched.
+    DevicePtr buf = device_alloc(1 << 20);
+    auto* base = static_cast<uint8_t*>(buf.get());
+    const TensorView q(base, DType::kBF16, {1, 8, 128});
+    const TensorView kv(base + (64 << 10), DType::kBF16, {4, 16, 2, 128});
+    const TensorView table(base + (384 << 10), DType::kI32, {1, 4});
+    const TensorView lens(base + (388 << 10), DType::kI32, {1});
+    const TensorView out(base + (392 << 10), DType::kBF16, {1, 8, 128});
+    const TensorView lse(base + (400 << 10), DType::kF32, {1, 8});
     ops::AttentionStatus host_status{};
     ops::DecodeAttentionOptions opt;
     opt.status = &host_status;
     try {
-        ops::decode_attention(q, kv, kv, table, lens, kCols * kSlots, out, lse, stream_, opt);
+        ops::decode_attention(q, kv, kv, table, lens, 64, out, lse, stream_, opt);
         ADD_FAILURE() << "a pageable host status was accepted";
     } catch (const Error& e) {
         EXPECT_NE(std::string(e.what()).find("options.status ("), std::string::npos) << e.what();
     }
-    cudaFreeHost(status);
 }
 
 // Bad arguments are errors before anything launches (no device memory touched). The views lie apart in one buffer, so

@@ -157,10 +157,10 @@ void check(const Problem& pr, const std::vector<uint16_t>& out, const std::vecto
 }
 
 // Every rank builds its shard, calls sp_decode_attention `calls` times (eagerly, then from a graph when asked) and
-// checks its output after each. With `bad_rank` >= 0, every rank passes a status, and that rank's block table holds
-// -1 at the first page of the first sequence it has tokens of: one call, that sequence NaN on every rank, the others
-// exact, the entry recorded in that rank's status only.
-void run_sp(int n, const Problem& pr, bool graph, int bad_rank = -1) {
+// checks its output after each. With `bad_rank` >= 0, every rank passes a status (and `num_splits`), and that rank's
+// block table holds -1 at the last page of its share of `bad_sequence`: one call, that sequence NaN on every rank, the
+// others exact, the entry recorded (its index within the call) in that rank's status only.
+void run_sp(int n, const Problem& pr, bool graph, int bad_rank = -1, int bad_sequence = -1, int num_splits = 0) {
     // A small staging region keeps the collective workspace within the test's heap (the LL buffer is what this op
     // uses).
     const testing::ScopedEnv staging("WEFT_COLLECTIVE_STAGING_BYTES", std::string("1M"));
@@ -204,14 +204,13 @@ void run_sp(int n, const Problem& pr, bool graph, int bad_rank = -1) {
                                 vc.begin() + static_cast<std::ptrdiff_t>(dst));
                 }
             }
-            int bad_sequence = -1;
+            int32_t bad_page = -1;
             if (bad_rank >= 0) {
-                for (int b = 0; b < pr.batch && bad_sequence < 0; ++b) {
-                    const auto& c = pr.cuts[static_cast<size_t>(b)];
-                    if (c[static_cast<size_t>(bad_rank) + 1] > c[static_cast<size_t>(bad_rank)]) bad_sequence = b;
-                }
-                ASSERT_GE(bad_sequence, 0) << "rank " << bad_rank << " holds no token";
-                if (me == bad_rank) table[static_cast<size_t>(bad_sequence * max_pages)] = -1;
+                const auto& c = pr.cuts[static_cast<size_t>(bad_sequence)];
+                const int share = c[static_cast<size_t>(bad_rank) + 1] - c[static_cast<size_t>(bad_rank)];
+                ASSERT_GT(share, 0) << "rank " << bad_rank << " holds no token of sequence " << bad_sequence;
+                bad_page = (share - 1) / ps;
+                if (me == bad_rank) table[static_cast<size_t>(bad_sequence * max_pages + bad_page)] = -1;
             }
             void *dq, *dk, *dv, *dt, *dl, *dout, *dlse;
             WEFT_CUDA_CHECK(cudaMalloc(&dq, pr.q.size() * 2));
@@ -263,6 +262,7 @@ void run_sp(int n, const Problem& pr, bool graph, int bad_rank = -1) {
                 *status = {};
                 ops::DecodeAttentionOptions options;
                 options.status = status;
+                options.num_splits = num_splits;
                 WEFT_CUDA_CHECK(cudaMemsetAsync(dout, 0xff, pr.q.size() * 2, s));
                 WEFT_CUDA_CHECK(cudaMemsetAsync(dlse, 0xff, pr.lse.size() * 4, s));
                 ops::sp_decode_attention(w, tq, tk, tv, tt, tl, max_seq_len, tout, tlse, s, options);
@@ -275,7 +275,7 @@ void run_sp(int n, const Problem& pr, bool graph, int bad_rank = -1) {
                 if (me == bad_rank) {
                     EXPECT_EQ(status->code, 1);
                     EXPECT_EQ(status->sequence, bad_sequence);
-                    EXPECT_EQ(status->page, 0);
+                    EXPECT_EQ(status->page, bad_page);
                     EXPECT_EQ(status->value, -1);
                 } else {
                     EXPECT_EQ(status->code, 0) << "rank " << me << ": " << ops::describe_attention_status(*status);
@@ -343,12 +343,30 @@ TEST(SpDecodeAttention, ManySequencesTakeSeveralRounds) {
 }
 
 // A status given: a block-table entry outside one rank's cache poisons its sequence on every rank (a partial LSE of
-// +inf), the other sequences stay exact, and only that rank records it.
+// +inf), the other sequences stay exact, and only that rank records it, naming the sequence within the call: with the
+// sequence shared among the ranks, held by the bad rank alone (every other rank's share empty: the +inf it pushes must
+// stay +inf), in one split and in several, and in a later round of a batch that takes several.
 TEST(SpDecodeAttention, ABadBlockTableEntryOnOneRankMakesItsSequenceNaNOnEveryRank) {
     if (!have_sm90()) GTEST_SKIP() << "needs an sm_90 GPU";
     const uint64_t seed = std::random_device{}();
-    run_sp(1, make_problem(1, 3, 8, 2, {300, 50, 4000}, seed), false, 0);
-    run_sp(3, make_problem(3, 4, 8, 2, {1000, 3000, 5, 20000}, seed + 1), false, 2);
+    std::printf("[ seed     ] %llu\n", static_cast<unsigned long long>(seed));
+    // Sequence `b` of `pr`, every token on rank `r`.
+    const auto all_on = [](Problem pr, int b, int r) {
+        auto& c = pr.cuts[static_cast<size_t>(b)];
+        const int len = pr.lens[static_cast<size_t>(b)];
+        for (size_t i = 0; i < c.size(); ++i) c[i] = static_cast<int>(i) <= r ? 0 : len;
+        return pr;
+    };
+    run_sp(1, make_problem(1, 3, 8, 2, {300, 50, 4000}, seed), false, 0, 2);
+    const Problem pr3 = make_problem(3, 4, 8, 2, {1000, 3000, 5, 20000}, seed + 1);
+    for (const int splits : {0, 1}) {
+        SCOPED_TRACE("num_splits " + std::to_string(splits));
+        run_sp(3, all_on(pr3, 3, 2), false, 2, 3, splits);
+        run_sp(3, all_on(pr3, 1, 1), false, 1, 1, splits);
+    }
+    std::vector<int> lens(40);
+    for (size_t i = 0; i < lens.size(); ++i) lens[i] = static_cast<int>(i * 37 % 400) + 1;
+    run_sp(2, all_on(make_problem(2, 40, 32, 8, lens, seed + 2), 37, 1), false, 1, 37);
 }
 
 // Ranks that call with different batches (or head dims) are a call mismatch on every rank, named, not merged rows of

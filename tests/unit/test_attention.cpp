@@ -406,9 +406,10 @@ TEST(AttentionArgs, HugeBlockTablesAndHeadCountsAreCheckedWithoutOverflow) {
 }
 
 // ------------------------------------------------------------------------------------------------
-// NVRTC: every split specialisation (and the bf16 combine ones) compiles for sm_90a without spills or local memory; the
-// split kernel copies with 16-byte cp.async (LDGSTS.E.BYPASS.128), reads shared memory with ldmatrix (LDSM) and
-// multiplies on tensor cores (HMMA.16816.F32); the combine kernel reads the partials with 16-byte loads (LDG.E.128).
+// NVRTC: every split specialisation, with and without check_pages (and the bf16 combine ones), compiles for sm_90a
+// without spills or local memory; the split kernel copies with 16-byte cp.async (LDGSTS.E.BYPASS.128), reads shared
+// memory with ldmatrix (LDSM) and multiplies on tensor cores (HMMA.16816.F32); the combine kernel reads the partials
+// with 16-byte loads (LDG.E.128).
 
 TEST(AttentionNvrtc, EverySpecialisationCompilesWithTheExpectedSass) {
     weft::testing::TempDir cache("weft_attention_nvrtc");
@@ -417,10 +418,13 @@ TEST(AttentionNvrtc, EverySpecialisationCompilesWithTheExpectedSass) {
     std::string why_not;
     for (DType t : {DType::kBF16, DType::kF16}) {
         for (int d : {64, 128, 256}) {
-            const AttentionDecodeConfig config{.dtype = t, .head_dim = d, .stages = attention_default_stages(d)};
-            // The combine kernel differs between dtypes only in its final conversion: bf16 is enough to check.
-            for (bool combine : {false, true}) {
+            // The combine kernel differs between dtypes only in its final conversion: bf16 is enough to check; it is
+            // one kernel for both split builds (with and without the block-table check).
+            for (const int kind : {0, 1, 2}) {  // split, split with check_pages, combine
+                const bool combine = kind == 2;
                 if (combine && t != DType::kBF16) continue;
+                const AttentionDecodeConfig config{
+                    .dtype = t, .head_dim = d, .stages = attention_default_stages(d), .check_pages = kind == 1};
                 jit::KernelSpec spec = decode_attention_kernel_spec(config, combine);
                 spec.arch = "sm_90a";
                 SCOPED_TRACE(spec.describe());
@@ -453,7 +457,7 @@ TEST(AttentionNvrtc, EverySpecialisationCompilesWithTheExpectedSass) {
         }
     }
     if (checked_sass == 0) GTEST_SKIP() << "SKIPPED: SASS not checked: " << why_not;
-    EXPECT_EQ(checked_sass, 9);
+    EXPECT_EQ(checked_sass, 15);
 }
 
 TEST(AttentionNvrtc, AotRegistrationListsEverySpecialisationOnce) {
@@ -466,7 +470,7 @@ TEST(AttentionNvrtc, AotRegistrationListsEverySpecialisationOnce) {
         EXPECT_TRUE(seen.insert(s.instantiation).second) << "listed twice: " << s.instantiation;
         (s.instantiation.find("decode_split") != std::string::npos ? split : combine) += 1;
     }
-    EXPECT_EQ(split, 6);
+    EXPECT_EQ(split, 12);  // with and without check_pages
     EXPECT_EQ(combine, 6);
 }
 

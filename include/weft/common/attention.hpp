@@ -20,7 +20,7 @@ inline constexpr int32_t kAttentionMaxSplits = 256;
 /// Threads of the combine kernel's block (one block per (sequence, q-head) row).
 inline constexpr int32_t kAttentionCombineThreads = 128;
 
-/// Compile-time knobs of the split kernel. One specialisation per (dtype, head_dim, stages).
+/// Compile-time knobs of the split kernel. One specialisation per (dtype, head_dim, stages, check_pages).
 struct AttentionDecodeConfig {
     DType dtype = DType::kBF16;  ///< Q, K, V and the output: bf16 or f16; scores, softmax and sums in fp32
     int32_t head_dim = 128;      ///< 64, 128 or 256
@@ -140,7 +140,7 @@ WEFT_HOST_DEVICE constexpr int64_t attention_push_row_lines(int64_t head_dim) { 
 /// host-mapped memory, 16 bytes, zeroed by the caller; the first bad entry found claims it).
 struct AttentionStatus {
     int32_t code;      ///< 0: nothing found; 1: a block-table entry outside [0, num_pages)
-    int32_t sequence;  ///< b: the sequence (row of block_table) of the entry, within the call
+    int32_t sequence;  ///< b: the sequence (row of block_table) of the entry, within the call (sp: within the call too)
     int32_t page;      ///< j: its logical page (column of block_table)
     int32_t value;     ///< block_table[b][j] as read
 };
@@ -177,13 +177,15 @@ struct AttentionDecodeParams {
     int32_t num_kv_heads = 0;
     int32_t group = 1;  ///< num_q_heads / num_kv_heads, 1..16
     int32_t page_size = 1;
-    int32_t page_shift = -1;  ///< log2(page_size) when it is a power of two (shift and mask), else -1 (divide)
-    int32_t num_pages = 0;    ///< k_cache's pages (at most 2^31 - 1 addressable); check_pages: an entry outside is bad
-    AttentionStatus* status = nullptr;  ///< where a bad block-table entry is recorded, or null
-    int32_t num_splits = 1;             ///< 1: the split kernel writes out and lse itself; no combine kernel
-    float scale_log2 = 0.f;             ///< softmax scale x log2(e): scores are kept in base 2
-    int32_t push_enabled = 0;           ///< 1: the final rows go to `push` (sequence-parallel), not to out / lse
+    int32_t page_shift = -1;   ///< log2(page_size) when it is a power of two (shift and mask), else -1 (divide)
+    int32_t num_splits = 1;    ///< 1: the split kernel writes out and lse itself; no combine kernel
+    float scale_log2 = 0.f;    ///< softmax scale x log2(e): scores are kept in base 2
+    int32_t push_enabled = 0;  ///< 1: the final rows go to `push` (sequence-parallel), not to out / lse
+    uint32_t num_pages = 0;    ///< k_cache's pages, at most 2^31 (check_pages: an entry outside is bad)
     AttentionPeerPush push{};
+    // check_pages only (after the fields every build reads, which keep their offsets):
+    AttentionStatus* status = nullptr;  ///< where the first bad block-table entry is recorded, or null
+    int32_t sequence_base = 0;          ///< the call's index of this launch's sequence 0 (sp_decode_attention's rounds)
 };
 
 }  // namespace weft

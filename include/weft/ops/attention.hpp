@@ -47,8 +47,9 @@ struct DecodeAttentionOptions {
     /// Given (device or host-mapped memory, zeroed by the caller), the call checks every block-table entry it reads:
     /// one outside [0, num_pages) is never dereferenced, its sequence's out and lse are NaN, and the first one found
     /// is recorded here (check_attention_status turns a record into a weft::Error). Null: the entries are trusted (a
-    /// bad one is an out-of-bounds read). The check is a second kernel build, up to 7% slower (one H100, head_dim 256,
-    /// batch 8, 128K tokens; docs/performance.md).
+    /// bad one is an out-of-bounds read). The check is a second build of the split kernel, a few percent slower (one
+    /// H100: +2.7% at head_dim 128 and +4% at 256, batch 8, 128K tokens; docs/performance.md). Graph-capturable (the
+    /// record's address is captured: zero it again between replays). The block table must not change during the call.
     AttentionStatus* status = nullptr;
 };
 
@@ -119,7 +120,9 @@ AttentionSplitPlan decode_attention_split_plan(int64_t batch, int64_t num_q_head
 /// + 2) x 8 bytes of LL lines per round); one sequence's rows must fit one round (at most 504 q-heads of head_dim 128,
 /// 254 of head_dim 256 by default), else weft::Error on every rank before any kernel is loaded or launched. The first
 /// call with a head_dim and dtype compiles and loads its kernels and meets every rank (host barrier) before launching:
-/// make it outside a CUDA graph capture, then capture.
+/// make it outside a CUDA graph capture, then capture. options.status (each rank its own, or none): a block-table entry
+/// outside this rank's cache makes that sequence's out and lse NaN on every rank, and is recorded (its sequence index
+/// within the call) in the status of the rank whose table holds it only.
 void sp_decode_attention(const Team& team, const TensorView& q, const TensorView& k_cache, const TensorView& v_cache,
                          const TensorView& block_table, const TensorView& seq_lens, int64_t max_seq_len,
                          const TensorView& out, const TensorView& lse, cudaStream_t stream,
