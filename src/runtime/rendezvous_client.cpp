@@ -94,7 +94,8 @@ std::string error_text(const Message& m) { return std::string(m.value.begin(), m
 /// The longest wait of one connection attempt to one address (then the next address, or the next round).
 constexpr auto kConnectAttempt = std::chrono::seconds(5);
 
-/// Connects to host:port, retrying refused or unreachable attempts until `deadline` (rank 0 may be late).
+/// Connects to host:port, retrying refused or unreachable attempts until `deadline` (rank 0 may be late). Throws
+/// weft::Error naming the reason when the embedding's wait check (wait_interrupted) answers between two attempts.
 UniqueFd connect_with_retry(const std::string& host, int port, Clock::time_point deadline, std::string* last_error) {
     auto backoff = std::chrono::milliseconds(10);
     std::string port_text = std::to_string(port);
@@ -137,6 +138,9 @@ UniqueFd connect_with_retry(const std::string& host, int port, Clock::time_point
             *last_error = describe_address(ai->ai_addr) + ": " + errno_text(errno);
         }
         if (list != nullptr) ::freeaddrinfo(list);
+        if (std::optional<std::string> why = wait_interrupted()) {  // the embedding's (Ctrl-C in Python)
+            WEFT_FAIL("rendezvous: connecting to the store at " << host << ":" << port << " stopped: " << *why);
+        }
         if (Clock::now() >= deadline) return UniqueFd();
         std::this_thread::sleep_for(std::min<Clock::duration>(backoff, deadline - Clock::now()));
         backoff = std::min(backoff * 2, std::chrono::milliseconds(500));
@@ -144,7 +148,7 @@ UniqueFd connect_with_retry(const std::string& host, int port, Clock::time_point
 }
 
 /// Connects to the abstract Unix socket "@name", retrying until `deadline` while nobody listens there yet
-/// (ECONNREFUSED) or its backlog is full (EAGAIN).
+/// (ECONNREFUSED) or its backlog is full (EAGAIN). Throws weft::Error as connect_with_retry does when interrupted.
 UniqueFd connect_unix_with_retry(const std::string& name, Clock::time_point deadline, std::string* last_error) {
     socklen_t length = 0;
     const sockaddr_un addr = abstract_socket_address(name, &length);
@@ -157,6 +161,9 @@ UniqueFd connect_unix_with_retry(const std::string& name, Clock::time_point dead
             return fd;
         } else {
             *last_error = "@" + name + ": " + errno_text(errno);
+        }
+        if (std::optional<std::string> why = wait_interrupted()) {
+            WEFT_FAIL("rendezvous: connecting to the store at @" << name << " stopped: " << *why);
         }
         if (Clock::now() >= deadline) return UniqueFd();
         std::this_thread::sleep_for(std::min<Clock::duration>(backoff, deadline - Clock::now()));

@@ -309,9 +309,15 @@ struct WorldContext {
 /// `wait_for_writer`, a record caught mid-write gets 100 ms to complete.
 std::string read_diagnostic(const WorldContext& world, bool wait_for_writer);
 
-/// A view of `store` whose get() (and so barrier and all_gather) waits in slices, asking world.store_wait_stop()
-/// between them: a World's store waits end within a slice once the World is aborted or a peer is dead.
+/// A view of `store` whose get() (and so barrier and all_gather) waits in slices, asking world.store_wait_stop() before
+/// each and wait_interrupted() after each that ran out without the key: a World's store waits end within a slice once
+/// the World is aborted, a peer is dead or the embedding's check answers. `world` null (the store of a World not yet
+/// made: from_env, from_store): wait_interrupted() alone, so `store` itself while no check is set, and a get made
+/// inside another view's get on the same thread (the World's own view, stacked on it) is passed through whole.
 std::shared_ptr<Store> make_abortable_store(std::shared_ptr<Store> store, const WorldContext* world);
+
+/// Whether an embedding's wait check is set (set_wait_interrupt_check).
+bool wait_interrupt_check_set();
 
 /// A team's shared state: members, this rank's place, and its device tables.
 struct TeamState {

@@ -4,6 +4,7 @@
 #include "weft/runtime/store.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <string>
 #include <utility>
 
@@ -86,6 +87,19 @@ std::shared_ptr<Store> make_prefix_store(std::shared_ptr<Store> store, const std
     WEFT_CHECK(std::all_of(prefix.begin(), prefix.end(), [](unsigned char ch) { return ch > 0x20 && ch < 0x7f; }),
                "make_prefix_store: the prefix must be printable ASCII without spaces, got '" << prefix << "'");
     return std::make_shared<PrefixStore>(std::move(store), prefix);
+}
+
+namespace {
+std::atomic<WaitInterruptCheck> wait_interrupt_check{nullptr};
+}  // namespace
+
+void set_wait_interrupt_check(WaitInterruptCheck check) { wait_interrupt_check.store(check); }
+
+bool detail::wait_interrupt_check_set() { return wait_interrupt_check.load(std::memory_order_relaxed) != nullptr; }
+
+std::optional<std::string> wait_interrupted() {
+    const WaitInterruptCheck check = wait_interrupt_check.load(std::memory_order_relaxed);
+    return check != nullptr ? check() : std::nullopt;
 }
 
 // Protocol: every rank marks `name/rank/<r>` and increments `name/arrive`; the last arriver sets `name/done`,

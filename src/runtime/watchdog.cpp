@@ -43,6 +43,10 @@ std::optional<Bytes> get_present(Store& store, const std::string& key) {
     return store.get(key, kPresentKeySlowGet);
 }
 
+// The sliced gets in progress on this thread: a view of no World inside one (the World's own view over from_env's or
+// from_store's start-up store) passes its get through whole, the outer view slicing and asking already.
+thread_local int sliced_gets_in_progress = 0;
+
 /// make_abortable_store's view.
 class AbortableStore final : public Store {
 public:
@@ -54,15 +58,26 @@ public:
     void erase(const std::string& key) override { store_->erase(key); }
 
     Bytes get(const std::string& key, milliseconds timeout) override {
+        if (world_ == nullptr && (sliced_gets_in_progress > 0 || !wait_interrupt_check_set())) {
+            return store_->get(key, timeout);
+        }
+        ++sliced_gets_in_progress;
+        struct Leave {
+            ~Leave() { --sliced_gets_in_progress; }
+        } leave;
         const auto start = Clock::now();
         const auto deadline = start + timeout;
+        const auto stop = [&](const std::string& why) {
+            const auto waited = std::chrono::duration_cast<milliseconds>(Clock::now() - start);
+            WEFT_FAIL((world_ != nullptr ? "rank " + std::to_string(world_->rank) + ": " : std::string())
+                      << "store get('" << key << "') stopped after " << waited.count() << " ms: " << why);
+        };
         while (true) {
-            const std::optional<std::string> why =
-                key == WorldContext::kStartupFailedKey ? world_->store_wait_stop() : world_->startup_wait_stop(*store_);
-            if (why) {
-                const auto waited = std::chrono::duration_cast<milliseconds>(Clock::now() - start);
-                WEFT_FAIL("rank " << world_->rank << ": store get('" << key << "') stopped after " << waited.count()
-                                  << " ms: " << *why);
+            if (world_ != nullptr) {
+                const std::optional<std::string> why = key == WorldContext::kStartupFailedKey
+                                                           ? world_->store_wait_stop()
+                                                           : world_->startup_wait_stop(*store_);
+                if (why) stop(*why);
             }
             const auto left = deadline - Clock::now();
             if (left <= Clock::duration::zero()) return store_->get(key, milliseconds(0));
@@ -75,6 +90,8 @@ public:
                 // that failure is the answer. One that ran its course is a timeout: ask again.
                 if (ended_early(slice_start, slice) || Clock::now() >= deadline) throw;
             }
+            // Only now, the slice having run out: a get answered at once never runs the embedding's check.
+            if (std::optional<std::string> why = wait_interrupted()) stop(*why);
         }
     }
 
@@ -86,6 +103,7 @@ private:
 }  // namespace
 
 std::shared_ptr<Store> make_abortable_store(std::shared_ptr<Store> store, const WorldContext* world) {
+    if (world == nullptr && !wait_interrupt_check_set()) return store;  // nothing to ask: the store as it is
     return std::make_shared<AbortableStore>(std::move(store), world);
 }
 

@@ -59,7 +59,9 @@ std::unique_ptr<World> World::from_env(const WorldOptions& options) {
     // The port slot is held as long as the store (rank 0's server) is: until the World is gone.
     std::shared_ptr<const uint64_t> slot = detail::take_store_port_slot();
     Store* store = detail::make_launch_store(*launch, world_index, timeout, reply_bound, *slot).release();
-    setup.store = std::shared_ptr<Store>(store, [slot](Store* s) { delete s; });
+    // With an embedding's wait check set, waits that ask it (wait_interrupted) until the World's own view takes over;
+    // without one, the store itself.
+    setup.store = detail::make_abortable_store(std::shared_ptr<Store>(store, [slot](Store* s) { delete s; }), nullptr);
     // The watchdog's own client: its beats must not queue behind a blocking call of this rank's thread.
     setup.connect_watchdog_store = [env = *launch, world_index, timeout, reply_bound,
                                     port_slot = *slot]() -> std::shared_ptr<Store> {

@@ -50,7 +50,9 @@ std::unique_ptr<World> World::from_store(std::shared_ptr<Store> store, const Wor
     setup.options = options;
     setup.rank = m.rank;
     setup.num_ranks = m.num_ranks;
-    setup.store = make_prefix_store(std::move(store), m.key_prefix);
+    // With an embedding's wait check set, waits that ask it (wait_interrupted) until the World's own view takes over;
+    // without one, the store itself.
+    setup.store = detail::make_abortable_store(make_prefix_store(std::move(store), m.key_prefix), nullptr);
     // Processes start seconds apart: the same start-up allowance as the World's own exchanges. The sizes first: a
     // rank given another num_ranks than rank 0 fails at once naming both (the placement exchange below would
     // otherwise meet a World of other ranks, or wait for a rank that never comes); World::World checks them again.

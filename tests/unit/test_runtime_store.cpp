@@ -1,6 +1,8 @@
 // SPDX-License-Identifier: MIT
-// Unit tests for the in-process store, Store's default barrier and all-gather (ranks as threads), and prefix views.
+// Unit tests for the in-process store, Store's default barrier and all-gather (ranks as threads), prefix views, and
+// the embedding's wait check (set_wait_interrupt_check).
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
@@ -8,6 +10,7 @@
 #include <functional>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -15,6 +18,7 @@
 #include "../../src/runtime/runtime_internal.hpp"
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/in_process_store.hpp"
+#include "weft/runtime/rendezvous.hpp"
 
 namespace weft {
 namespace {
@@ -403,6 +407,118 @@ TEST(RuntimePrefixStore, BadArgumentsAreNamed) {
     EXPECT_NE(error_of([] { make_prefix_store(nullptr, "p"); }).find("store is null"), std::string::npos);
     EXPECT_NE(error_of([&] { make_prefix_store(store, ""); }).find("prefix must not be empty"), std::string::npos);
     EXPECT_NE(error_of([&] { make_prefix_store(store, "a b"); }).find("'a b'"), std::string::npos);
+}
+
+
+// ---- the embedding's wait check (weft::set_wait_interrupt_check) ----
+
+/// An InProcessStore that records the timeout of every get.
+class RecordingStore final : public Store {
+public:
+    void set(const std::string& key, const Bytes& value) override { inner_.set(key, value); }
+    Bytes get(const std::string& key, std::chrono::milliseconds timeout) override {
+        {
+            std::lock_guard<std::mutex> lock(mutex_);
+            gets_.push_back(timeout);
+        }
+        return inner_.get(key, timeout);
+    }
+    int64_t add(const std::string& key, int64_t delta) override { return inner_.add(key, delta); }
+    bool check(const std::string& key) override { return inner_.check(key); }
+    void erase(const std::string& key) override { inner_.erase(key); }
+    std::vector<std::chrono::milliseconds> gets() {
+        std::lock_guard<std::mutex> lock(mutex_);
+        return gets_;
+    }
+
+private:
+    InProcessStore inner_;
+    std::mutex mutex_;
+    std::vector<std::chrono::milliseconds> gets_;
+};
+
+// A check that answers "the test stopped it" from its kChecksBeforeStop-th call on.
+constexpr int kChecksBeforeStop = 3;
+std::atomic<int> checks_made{0};
+std::optional<std::string> stop_after_some_checks() noexcept {
+    if (++checks_made < kChecksBeforeStop) return std::nullopt;
+    return "the test stopped it";
+}
+
+/// Sets stop_after_some_checks for a test's duration; null again after it (the check is process-wide).
+class ScopedCheck {
+public:
+    ScopedCheck() {
+        checks_made = 0;
+        set_wait_interrupt_check(&stop_after_some_checks);
+    }
+    ~ScopedCheck() { set_wait_interrupt_check(nullptr); }
+    ScopedCheck(const ScopedCheck&) = delete;
+    ScopedCheck& operator=(const ScopedCheck&) = delete;
+};
+
+std::string error_text_of(const std::function<void()>& fn) {
+    try {
+        fn();
+    } catch (const Error& e) {
+        return e.what();
+    }
+    return "(no error)";
+}
+
+// No check set (a C++ program): the start-up store of a World not yet made is the store itself, and its waits are
+// the store's own, one get with the whole timeout and the store's own timeout message.
+TEST(RuntimeWaitInterruptCheck, WithoutACheckTheStoreIsLeftAsItIs) {
+    ASSERT_FALSE(detail::wait_interrupt_check_set());
+    EXPECT_EQ(wait_interrupted(), std::nullopt);
+    auto store = std::make_shared<RecordingStore>();
+    const std::shared_ptr<Store> view = detail::make_abortable_store(store, nullptr);
+    EXPECT_EQ(view.get(), store.get());
+    const std::string e = error_text_of([&] { view->get("missing", 300ms); });
+    EXPECT_NE(e.find("'missing' was not set within 300 ms"), std::string::npos) << e;
+    EXPECT_EQ(store->gets(), std::vector<std::chrono::milliseconds>{300ms});
+}
+
+// With a check set, a wait asks it only once a slice (250 ms) ran out without the key, and its answer ends the wait.
+TEST(RuntimeWaitInterruptCheck, ACheckIsAskedAfterEachSliceThatRanOutAndItsReasonEndsTheWait) {
+    ScopedCheck check;
+    ASSERT_TRUE(detail::wait_interrupt_check_set());
+    auto store = std::make_shared<RecordingStore>();
+    // Stacked as a World's own view is on from_store's start-up view: the inner view passes the outer's slices through.
+    const std::shared_ptr<Store> view =
+        detail::make_abortable_store(make_prefix_store(detail::make_abortable_store(store, nullptr), "p"), nullptr);
+    store->set("p/here", text_bytes("v"));
+    EXPECT_EQ(view->get("here", 60000ms), text_bytes("v"));
+    EXPECT_EQ(checks_made, 0) << "a get answered at once never asks the check";
+
+    const auto start = std::chrono::steady_clock::now();
+    const std::string e = error_text_of([&] { view->get("missing", 60000ms); });
+    const auto waited = std::chrono::steady_clock::now() - start;
+    EXPECT_NE(e.find("store get('missing') stopped after "), std::string::npos) << e;
+    EXPECT_NE(e.find(" ms: the test stopped it"), std::string::npos) << e;
+    EXPECT_EQ(checks_made, kChecksBeforeStop) << "once per slice that ran out, and only by the outer view";
+    EXPECT_GE(waited, kChecksBeforeStop * 250ms - 50ms);
+    EXPECT_LT(waited, 10s);
+    const std::vector<std::chrono::milliseconds> gets = store->gets();
+    ASSERT_EQ(gets.size(), 1u + kChecksBeforeStop) << "the present key's get, then one get per slice";
+    for (size_t i = 1; i < gets.size(); ++i) EXPECT_LE(gets[i], 250ms) << "get " << i;
+}
+
+// The connection to rank 0's store asks the check between its attempts, and stops naming the reason.
+TEST(RuntimeWaitInterruptCheck, ACheckEndsTheConnectionRetriesToRankZerosStore) {
+    ScopedCheck check;
+    RendezvousOptions o;
+    o.unix_socket = "weft-unit-interrupt-" + std::to_string(::getpid());  // nobody listens there
+    o.rank = 1;
+    o.num_ranks = 2;
+    o.timeout = 60000ms;
+    const auto start = std::chrono::steady_clock::now();
+    const std::string e = error_text_of([&] { connect_tcp_store(o); });
+    EXPECT_NE(e.find("rendezvous: connecting to the store at @" + o.unix_socket + " stopped: the test stopped it"),
+              std::string::npos)
+        << e;
+    EXPECT_EQ(checks_made, kChecksBeforeStop);
+    EXPECT_LT(std::chrono::steady_clock::now() - start, 10s);
 }
 
 }  // namespace

@@ -36,6 +36,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -73,5 +74,18 @@ public:
 /// which the view keeps alive; barrier and all_gather are Store's, over the prefixed keys. Thread-safe when
 /// `store` is. Throws weft::Error when `store` is null or `prefix` is empty or not printable ASCII.
 std::shared_ptr<Store> make_prefix_store(std::shared_ptr<Store> store, const std::string& prefix);
+
+/// For an embedding whose own interruptions must end weft's host waits (the Python binding: Ctrl-C, a signal
+/// handler that raised). While a check is set, a World's store waits (its start-up, barriers, heap and team
+/// agreements, its shutdown) ask it on the waiting thread each time a slice of at most 250 ms ran out without the key
+/// (a get answered at once never asks), and from_env's connection to rank 0's store asks it between its attempts (an
+/// attempt may take up to 5 s): a reason ends the wait with a weft::Error naming it, nullopt lets it go on. With no
+/// check set (the default) nothing asks, and from_env's and from_store's start-up waits are not sliced: each is one
+/// get of the store. Process-wide and one check only (the last set wins; no chaining): set it before making a World.
+/// The check runs on every thread that waits (it decides which ones it interrupts) and must not throw.
+using WaitInterruptCheck = std::optional<std::string> (*)() noexcept;
+void set_wait_interrupt_check(WaitInterruptCheck check);
+/// The check's answer for the calling thread (nullopt when none is set): what those waits ask.
+std::optional<std::string> wait_interrupted();
 
 }  // namespace weft
