@@ -4,14 +4,20 @@
 
 #include <nanobind/nanobind.h>
 
+#include <sys/types.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <exception>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "weft/runtime/driver.hpp"
@@ -29,8 +35,11 @@ namespace nb = nanobind;
 /// wait([key], timedelta), add(key, int) -> int, check([key]) -> bool, delete_key(key). Every method takes the
 /// GIL for the duration of its Python call only, so weft's C++ code (which runs with the GIL released) may call it
 /// from any thread. A Python exception becomes a weft::Error naming the method, the key and the exception, raised
-/// with the GIL already given back. Destroying the adapter takes the GIL to drop its reference (it leaks the
-/// reference while the interpreter finalises, when Python may no longer be entered).
+/// with the GIL already given back; one that is no Exception (KeyboardInterrupt, SystemExit) is raised as itself by
+/// the interruptible call it happened in (InterruptScope). On the main thread in an interruptible call, get() waits
+/// in slices of 100 ms and asks the wait check (which runs the signal handlers) after each. Destroying the adapter
+/// takes the GIL to drop its reference (it leaks the reference while the interpreter finalises, when Python may no
+/// longer be entered).
 class PythonStore final : public Store {
 public:
     explicit PythonStore(nb::object store);
@@ -43,14 +52,39 @@ public:
     void erase(const std::string& key) override;
 
 private:
+    Bytes get_once(const std::string& key, std::chrono::milliseconds timeout);
+
     nb::object store_;
     nb::object timedelta_;  ///< datetime.timedelta
 };
 
+/// Whether the interpreter is finalising (Py_IsFinalizing is public from Python 3.13).
+inline bool interpreter_finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+    return Py_IsFinalizing() != 0;
+#else
+    return _Py_IsFinalizing() != 0;
+#endif
+}
+
+/// Whether this process was forked since the extension was loaded (a pthread_atfork handler sets it: interrupt.cpp).
+bool process_forked();
+/// This process's id, as the fork handler keeps it (no getpid() system call per call).
+pid_t process_id();
+/// "<who>: this process was forked from process <pid> after <who> was made there ...": what a call on an object the
+/// parent made raises in a forked child.
+std::string forked_message(const char* who, pid_t made_in);
+
+/// Throws weft::Error when the calling thread runs a Python signal handler from inside a weft call's wait (the
+/// interruptible calls below): weft's state is mid-call there, so a call into weft from the handler would start a
+/// second exchange while the peers are in the first. `who` (may be null) names the object called.
+void refuse_inside_signal_handler(const char* who);
+
 /// Which calls a closing object still lets in.
 enum class Admit {
-    kOpen,           ///< refused from the moment close() starts
-    kOpenOrClosing,  ///< also while close() waits (World.abort: what ends the calls a close waits for)
+    kOpen,           ///< refused from the moment close() starts, and from a signal handler inside a weft call
+    kOpenOrClosing,  ///< also while close() waits, and from such a handler (World.abort: what ends the calls a close
+                     ///< waits for, and all that handler may do)
 };
 
 /// One object with a close() (a World, an op, an EP buffer or handle) and the calls in flight on it, across Python
@@ -59,11 +93,19 @@ enum class Admit {
 /// calls in flight have ended, then destroys the object. A close() from inside a call on the same thread (a Python
 /// callback of that call) is a weft::Error: it would wait for itself. The wait has no bound of its own: each call in
 /// flight is bounded by the World's timeout, and World.abort, which is admitted while closing, ends them sooner.
-/// NOTE: the mutex is never held while waiting for the GIL, so taking it with the GIL held cannot deadlock.
+/// In a process forked after the object was made, every call and close() raise weft::Error naming the parent
+/// (forked_message), and the object is never destroyed there: it is the parent's (its World's rank, store connection
+/// and GPU context), and destroying it would close it collectively in the parent's name.
+/// NOTE: the mutex is never held while waiting for the GIL, so taking it with the GIL held cannot deadlock. In a
+/// forked child the mutex is never taken (a parent thread may have held it at the fork, and that thread is gone):
+/// every path checks forked_since_made() first.
 template <class T>
 class Closable {
 public:
     Closable(std::unique_ptr<T> object, const char* name) : object_(std::move(object)), name_(name) {}
+    ~Closable() {
+        if (forked_since_made()) (void)object_.release();
+    }
     Closable(const Closable&) = delete;
     Closable& operator=(const Closable&) = delete;
 
@@ -71,11 +113,14 @@ public:
     /// temporary lives to the end of its full expression).
     class Use {
     public:
-        /// Throws weft::Error "<name> is closed", or "<name> is closing" unless `admit` lets it in; `name`
-        /// overrides the object's name in the message.
+        /// Throws weft::Error "<name> is closed", or "<name> is closing" unless `admit` lets it in, or (kOpen) from
+        /// a signal handler inside a weft call (refuse_inside_signal_handler); `name` overrides the object's name in
+        /// the message.
         Use(const Closable& c, Admit admit, const char* name) : c_(c) {
-            std::lock_guard<std::mutex> lock(c_.mutex_);
             const char* who = name != nullptr ? name : c_.name_;
+            if (c_.forked_since_made()) throw Error("weft: " + forked_message(who, c_.pid_));
+            if (admit == Admit::kOpen) refuse_inside_signal_handler(who);
+            std::lock_guard<std::mutex> lock(c_.mutex_);
             WEFT_CHECK(c_.object_ != nullptr, who << " is closed");
             WEFT_CHECK(!c_.closing_ || admit == Admit::kOpenOrClosing,
                        who << " is closing (close() was called on another thread); no new call may start on it");
@@ -98,6 +143,7 @@ public:
     Use use(Admit admit = Admit::kOpen, const char* name = nullptr) const { return Use(*this, admit, name); }
 
     bool closed() const {
+        if (forked_since_made()) return object_ == nullptr;  // no lock (see the NOTE); nothing changes it here
         std::lock_guard<std::mutex> lock(mutex_);
         return object_ == nullptr;
     }
@@ -108,6 +154,7 @@ public:
     template <class Check>
     bool close(Check&& check) {
         if (closed()) return false;
+        if (forked_since_made()) throw Error("weft: " + forked_message(name_, pid_));
         check();
         {
             nb::gil_scoped_release release;
@@ -144,21 +191,41 @@ public:
     }
 
     /// For the owner's destructor, where no call can be in flight (each call holds a reference to the Python object
-    /// being destroyed): destroys the object at once, with the GIL held as before.
+    /// being destroyed): destroys the object at once, with the GIL released when this thread holds it and the
+    /// interpreter is not finalising (a fused op's collective frees wait on the store, whose Python methods need the
+    /// GIL); in a forked child, leaves it (the parent's) undestroyed.
     void destroy_now() {
+        if (forked_since_made()) {
+            (void)object_.release();
+            return;
+        }
         std::unique_ptr<T> gone;
-        std::lock_guard<std::mutex> lock(mutex_);
-        gone = std::move(object_);
+        {
+            std::lock_guard<std::mutex> lock(mutex_);
+            gone = std::move(object_);
+        }
+        if (gone != nullptr && !interpreter_finalizing() && PyGILState_Check()) {
+            nb::gil_scoped_release release;
+            gone.reset();
+        }
     }
     /// Leaves the object to the process's exit (while the interpreter finalises).
     void leak() {
+        if (forked_since_made()) {
+            (void)object_.release();
+            return;
+        }
         std::lock_guard<std::mutex> lock(mutex_);
         (void)object_.release();
     }
 
+    /// True in a process forked after the object was made (its parent's). Two relaxed atomic loads, no lock.
+    bool forked_since_made() const { return process_forked() && process_id() != pid_; }
+
 private:
     std::unique_ptr<T> object_;  ///< changed under the mutex; null once closed
     const char* name_;
+    const pid_t pid_ = process_id();  ///< the process that made it
     mutable std::mutex mutex_;
     mutable std::condition_variable idle_;          ///< signalled when callers_ empties and when a close() ends
     mutable std::vector<std::thread::id> callers_;  ///< one entry per call in flight
@@ -207,25 +274,17 @@ struct WorldHandle {
 using WorldRef = std::shared_ptr<WorldHandle>;
 using WorldUse = Closable<World>::Use;
 
-/// Whether the interpreter is finalising (Py_IsFinalizing is public from Python 3.13).
-inline bool interpreter_finalizing() {
-#if PY_VERSION_HEX >= 0x030D0000
-    return Py_IsFinalizing() != 0;
-#else
-    return _Py_IsFinalizing() != 0;
-#endif
-}
-
 struct PyWorld {
     WorldRef h;
 
     explicit PyWorld(std::unique_ptr<World> world) : h(std::make_shared<WorldHandle>(std::move(world))) {}
     /// Collective. The Python layer closes Worlds explicitly; a World dropped open is closed here like close() does
     /// (calls in flight through its teams are waited for, the GIL released: its watchdog's store calls may need it),
-    /// except while the interpreter finalises (the World is then left to the process's exit).
+    /// except while the interpreter finalises or in a process forked after it was made (the World is then left to the
+    /// process's exit).
     ~PyWorld() {
         if (!h || h->world.closed() || h->live_objects != 0) return;
-        if (interpreter_finalizing()) {
+        if (interpreter_finalizing() || h->world.forked_since_made()) {
             h->world.leak();
             return;
         }
@@ -240,6 +299,114 @@ struct PyWorld {
         h->world.close([&] { h->check_no_live_objects(); });
     }
 };
+
+// ---- Ctrl-C and Python's signal handlers during a blocking call (interrupt.cpp) ----
+// CPython runs a signal's Python handler only when the main thread runs bytecode again: a call that waits in C++ for
+// minutes (a peer that never comes) would hold Ctrl-C back as long. So the blocking calls run as interruptible calls:
+// on the main thread, weft's host waits ask the check install_process_hooks installs each time a wait slice ran out
+// (100-250 ms), and it runs the pending handlers (PyErr_CheckSignals), at most once per 100 ms. A handler's exception
+// (KeyboardInterrupt) ends the waits: the call unwinds, its World is aborted (the peers stop waiting for this rank),
+// and the exception is raised as itself. A handler runs in the middle of the call, so while it runs, every call into
+// weft on that thread is refused (refuse_inside_signal_handler) except World.abort.
+
+/// Registers the check with the runtime (weft::set_wait_interrupt_check) and the fork handler; at import.
+void install_process_hooks();
+
+/// Whether a call may start from a signal handler that runs inside a weft call's wait on the same thread.
+enum class FromSignalHandler {
+    kRefuse,  ///< weft::Error (refuse_inside_signal_handler): every call but World.abort
+    kAllow,   ///< World.abort
+};
+
+/// One interruptible call on this thread, made with the GIL held. Nests only for a call a signal handler may make
+/// (FromSignalHandler::kAllow): any other throws weft::Error there, before anything is changed.
+class InterruptScope {
+public:
+    explicit InterruptScope(FromSignalHandler from_handler = FromSignalHandler::kRefuse);
+    ~InterruptScope();
+    InterruptScope(const InterruptScope&) = delete;
+    InterruptScope& operator=(const InterruptScope&) = delete;
+    /// Why the call was interrupted, or nullptr.
+    const std::string* interrupted() const;
+    /// Takes the exception to raise (after the call has unwound), if any.
+    std::optional<nb::python_error> take();
+};
+
+/// Whether this thread is in an interruptible call on Python's main thread (the one whose waits run the handlers).
+bool polls_signals_here();
+/// With the GIL held, where polls_signals_here(): runs the pending signal handlers (marked as running inside a weft
+/// call: refuse_inside_signal_handler) and keeps the exception one raised for the call (InterruptScope). Called
+/// before any C-API call that would run them and lose it (str() of an error runs them first). True once the call was
+/// interrupted.
+bool poll_signals_holding_gil();
+/// Keeps `e`, an exception a Python store method raised that is no Exception (KeyboardInterrupt, SystemExit), for
+/// the interruptible call on this thread, to be raised as itself. False when no such call is in progress here.
+bool keep_interrupt(nb::python_error&& e);
+/// For the tests (weft._weft._testing): how often the wait check was asked on the main thread inside an
+/// interruptible call, and how many interruptions calls have kept (a handler's exception, or a store's
+/// KeyboardInterrupt or SystemExit), in this process.
+int64_t wait_checks_on_main_thread();
+int64_t interrupts_taken();
+/// World::abort(reason) of `world` (ignored when it is closed or its abort fails), with the GIL released.
+void abort_interrupted(WorldHandle& world, const std::string& reason);
+
+/// Runs `fn` (C++ only) as an interruptible call, the GIL released unless kHoldsGil (`fn` then releases it itself
+/// around its waits). When interrupted, `world` (null: none) is aborted once `fn` has ended, whatever `fn` returned
+/// or threw, and the interrupting exception is raised instead. From a signal handler that runs inside a weft call on
+/// this thread, throws weft::Error at once unless kFromHandler allows it.
+template <bool kHoldsGil = false, FromSignalHandler kFromHandler = FromSignalHandler::kRefuse, class Fn>
+auto interruptible(WorldHandle* world, Fn&& fn) -> decltype(fn()) {
+    using R = decltype(fn());
+    InterruptScope scope(kFromHandler);
+    std::exception_ptr failure;
+    std::optional<std::conditional_t<std::is_void_v<R>, bool, R>> result;
+    const auto run = [&] {
+        try {
+            if constexpr (std::is_void_v<R>) {
+                fn();
+                result.emplace(true);
+            } else {
+                result.emplace(fn());
+            }
+        } catch (...) {
+            failure = std::current_exception();
+        }
+    };
+    const auto after_interrupt = [&] {  // the GIL released
+        if (world != nullptr) abort_interrupted(*world, *scope.interrupted());
+        result.reset();  // a World made regardless is closed here, without the GIL its watchdog may need
+    };
+    if constexpr (kHoldsGil) {
+        run();
+        if (scope.interrupted() != nullptr) {
+            nb::gil_scoped_release release;
+            after_interrupt();
+        }
+    } else {
+        nb::gil_scoped_release release;
+        run();
+        if (scope.interrupted() != nullptr) after_interrupt();
+    }
+    if (std::optional<nb::python_error> e = scope.take()) throw std::move(*e);
+    if (failure) std::rethrow_exception(failure);
+    if constexpr (!std::is_void_v<R>) return std::move(*result);
+}
+
+template <class Fn, class R, class First, class... Rest>
+auto interruptibly_impl(Fn fn, R (Fn::*)(First, Rest...) const) {
+    return [fn = std::move(fn)](First first, Rest... rest) -> R {
+        WorldHandle* world = nullptr;
+        if constexpr (requires { first.h.get(); }) world = first.h.get();
+        return interruptible(world, [&]() -> R { return fn(std::forward<First>(first), std::forward<Rest>(rest)...); });
+    };
+}
+
+/// A binding's lambda, whose first parameter is the object called, as one that runs it through interruptible(): the
+/// World aborted on an interruption is that object's (its member `h`: a World, team, op or EP buffer), if it has one.
+template <class Fn>
+auto interruptibly(Fn fn) {
+    return interruptibly_impl(std::move(fn), &Fn::operator());
+}
 
 /// A Team of a World. Its World may be closed under it (weft.finalize): use() refuses then. get(call) refuses a team
 /// of another World than the call's (each refers to its own World's state); the call holds a use of its World.

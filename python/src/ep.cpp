@@ -41,10 +41,12 @@ struct PyEpBuffer {
     Closable<ep::Buffer>::Use use() const { return s->buffer.use(); }
     void close() {
         DeviceScope scope(s->device);
-        const bool closed = s->buffer.close([&] {
-            WEFT_CHECK(s->live_handles == 0, "ep.Buffer.close: " << s->live_handles
-                                                                 << " handle(s) made from it are still open; close "
-                                                                    "them first (weft.finalize does)");
+        const bool closed = interruptible<true>(h.get(), [&] {
+            return s->buffer.close([&] {
+                WEFT_CHECK(s->live_handles == 0, "ep.Buffer.close: " << s->live_handles
+                                                                     << " handle(s) made from it are still open; "
+                                                                        "close them first (weft.finalize does)");
+            });
         });
         if (closed) --h->live_objects;
     }
@@ -52,11 +54,12 @@ struct PyEpBuffer {
 
 template <class Handle>
 struct PyEpHandle {
+    WorldRef h;  ///< the Buffer's World (aborted when a close is interrupted)
     std::shared_ptr<EpState> s;
     Closable<Handle> handle;
 
-    PyEpHandle(std::shared_ptr<EpState> state, std::unique_ptr<Handle> made, const char* handle_name)
-        : s(std::move(state)), handle(std::move(made), handle_name) {
+    PyEpHandle(WorldRef world, std::shared_ptr<EpState> state, std::unique_ptr<Handle> made, const char* handle_name)
+        : h(std::move(world)), s(std::move(state)), handle(std::move(made), handle_name) {
         ++s->live_handles;
     }
     ~PyEpHandle() {
@@ -68,7 +71,7 @@ struct PyEpHandle {
     typename Closable<Handle>::Use use() const { return handle.use(); }
     void close() {
         DeviceScope scope(s->device);
-        if (handle.close([] {})) --s->live_handles;
+        if (interruptible<true>(h.get(), [&] { return handle.close([] {}); })) --s->live_handles;
     }
 };
 
@@ -91,7 +94,6 @@ cudaStream_t as_stream(uintptr_t stream) { return reinterpret_cast<cudaStream_t>
 }  // namespace
 
 void bind_ep(nb::module_& m) {
-    using Release = nb::call_guard<nb::gil_scoped_release>;
     nb::module_ sub = m.def_submodule("ep", "MoE expert-parallel dispatch and combine (weft::ops::ep)");
 
     nb::class_<PyNormalHandle>(sub, "NormalHandle")
@@ -140,13 +142,11 @@ void bind_ep(nb::module_& m) {
                 c.max_recv_rows = max_recv_rows;
                 c.expert_alignment = expert_alignment;
                 const WorldUse world = w.use();  // held until the buffer is counted: World.close() waits for it
-                std::unique_ptr<ep::Buffer> buffer;
-                {
-                    nb::gil_scoped_release release;
+                std::unique_ptr<ep::Buffer> buffer = interruptible(w.h.get(), [&] {
                     DeviceScope scope(world->device());  // its memory, streams and kernels on the World's GPU
-                    buffer = team != nullptr ? std::make_unique<ep::Buffer>(team->get(&w.h), c)
-                                             : std::make_unique<ep::Buffer>(*world, c);
-                }
+                    return team != nullptr ? std::make_unique<ep::Buffer>(team->get(&w.h), c)
+                                           : std::make_unique<ep::Buffer>(*world, c);
+                });
                 new (self) PyEpBuffer{w.h, std::make_shared<EpState>(std::move(buffer), world->device())};
                 ++w.h->live_objects;
             },
@@ -161,78 +161,70 @@ void bind_ep(nb::module_& m) {
             "make_normal_handle",
             [](PyEpBuffer& b) {
                 const auto buffer = b.use();  // held until the handle is counted: close() waits for it
-                std::unique_ptr<ep::NormalHandle> made;
-                {
-                    nb::gil_scoped_release release;
+                std::unique_ptr<ep::NormalHandle> made = interruptible(b.h.get(), [&] {
                     DeviceScope scope(b.s->device);
-                    made = std::make_unique<ep::NormalHandle>(buffer->make_normal_handle());
-                }
-                return new PyNormalHandle(b.s, std::move(made), "ep.NormalHandle");
+                    return std::make_unique<ep::NormalHandle>(buffer->make_normal_handle());
+                });
+                return new PyNormalHandle(b.h, b.s, std::move(made), "ep.NormalHandle");
             },
             nb::rv_policy::take_ownership)
         .def(
             "make_low_latency_handle",
             [](PyEpBuffer& b) {
-                const auto buffer = b.use();
-                DeviceScope scope(b.s->device);
-                auto made = std::make_unique<ep::LowLatencyHandle>(buffer->make_low_latency_handle());
-                return new PyLowLatencyHandle(b.s, std::move(made), "ep.LowLatencyHandle");
+                const auto buffer = b.use();  // held until the handle is counted: close() waits for it
+                std::unique_ptr<ep::LowLatencyHandle> made = interruptible(b.h.get(), [&] {
+                    DeviceScope scope(b.s->device);  // it allocates and waits on the Buffer's own stream
+                    return std::make_unique<ep::LowLatencyHandle>(buffer->make_low_latency_handle());
+                });
+                return new PyLowLatencyHandle(b.h, b.s, std::move(made), "ep.LowLatencyHandle");
             },
             nb::rv_policy::take_ownership)
-        .def(
-            "dispatch",
-            [](PyEpBuffer& b, PyNormalHandle& h, const TensorView& x, const TensorView& topk_idx,
-               const TensorView& topk_weights, uintptr_t stream, int num_sms) {
-                ep::NormalOptions o;
-                o.num_sms = num_sms;
-                DeviceScope scope(b.s->device);
-                b.use()->dispatch(*h.use(), x, topk_idx, topk_weights, as_stream(stream), o);
-            },
-            "handle"_a, "x"_a, "topk_idx"_a, "topk_weights"_a, "stream"_a, "num_sms"_a = 0, Release())
-        .def(
-            "combine",
-            [](PyEpBuffer& b, PyNormalHandle& h, const TensorView& y, const TensorView& out, uintptr_t stream,
-               int num_sms) {
-                ep::NormalOptions o;
-                o.num_sms = num_sms;
-                DeviceScope scope(b.s->device);
-                b.use()->combine(*h.use(), y, out, as_stream(stream), o);
-            },
-            "handle"_a, "y"_a, "out"_a, "stream"_a, "num_sms"_a = 0, Release())
-        .def(
-            "low_latency_dispatch",
-            [](PyEpBuffer& b, PyLowLatencyHandle& h, const TensorView& x, const TensorView& topk_idx, uintptr_t stream,
-               bool fp8, const std::string& phase, int num_sms) {
-                ep::LowLatencyOptions o;
-                o.fp8 = fp8;
-                o.phase = parse_phase(phase);
-                o.num_sms = num_sms;
-                DeviceScope scope(b.s->device);
-                b.use()->low_latency_dispatch(*h.use(), x, topk_idx, as_stream(stream), o);
-            },
-            "handle"_a, "x"_a, "topk_idx"_a, "stream"_a, "fp8"_a = false, "phase"_a = "send_recv", "num_sms"_a = 0,
-            Release())
-        .def(
-            "low_latency_combine",
-            [](PyEpBuffer& b, PyLowLatencyHandle& h, const TensorView& y, const TensorView& topk_idx,
-               const TensorView& topk_weights, const TensorView& out, uintptr_t stream, const std::string& phase,
-               int num_sms) {
-                ep::LowLatencyOptions o;
-                o.phase = parse_phase(phase);
-                o.num_sms = num_sms;
-                DeviceScope scope(b.s->device);
-                b.use()->low_latency_combine(*h.use(), y, topk_idx, topk_weights, out, as_stream(stream), o);
-            },
-            "handle"_a, "y"_a, "topk_idx"_a, "topk_weights"_a, "out"_a, "stream"_a, "phase"_a = "send_recv",
-            "num_sms"_a = 0, Release())
+        .def("dispatch",
+             interruptibly([](PyEpBuffer& b, PyNormalHandle& h, const TensorView& x, const TensorView& topk_idx,
+                              const TensorView& topk_weights, uintptr_t stream, int num_sms) {
+                 ep::NormalOptions o;
+                 o.num_sms = num_sms;
+                 DeviceScope scope(b.s->device);
+                 b.use()->dispatch(*h.use(), x, topk_idx, topk_weights, as_stream(stream), o);
+             }),
+             "handle"_a, "x"_a, "topk_idx"_a, "topk_weights"_a, "stream"_a, "num_sms"_a = 0)
+        .def("combine",
+             interruptibly([](PyEpBuffer& b, PyNormalHandle& h, const TensorView& y, const TensorView& out,
+                              uintptr_t stream, int num_sms) {
+                 ep::NormalOptions o;
+                 o.num_sms = num_sms;
+                 DeviceScope scope(b.s->device);
+                 b.use()->combine(*h.use(), y, out, as_stream(stream), o);
+             }),
+             "handle"_a, "y"_a, "out"_a, "stream"_a, "num_sms"_a = 0)
+        .def("low_latency_dispatch",
+             interruptibly([](PyEpBuffer& b, PyLowLatencyHandle& h, const TensorView& x, const TensorView& topk_idx,
+                              uintptr_t stream, bool fp8, const std::string& phase, int num_sms) {
+                 ep::LowLatencyOptions o;
+                 o.fp8 = fp8;
+                 o.phase = parse_phase(phase);
+                 o.num_sms = num_sms;
+                 DeviceScope scope(b.s->device);
+                 b.use()->low_latency_dispatch(*h.use(), x, topk_idx, as_stream(stream), o);
+             }),
+             "handle"_a, "x"_a, "topk_idx"_a, "stream"_a, "fp8"_a = false, "phase"_a = "send_recv", "num_sms"_a = 0)
+        .def("low_latency_combine",
+             interruptibly([](PyEpBuffer& b, PyLowLatencyHandle& h, const TensorView& y, const TensorView& topk_idx,
+                              const TensorView& topk_weights, const TensorView& out, uintptr_t stream,
+                              const std::string& phase, int num_sms) {
+                 ep::LowLatencyOptions o;
+                 o.phase = parse_phase(phase);
+                 o.num_sms = num_sms;
+                 DeviceScope scope(b.s->device);
+                 b.use()->low_latency_combine(*h.use(), y, topk_idx, topk_weights, out, as_stream(stream), o);
+             }),
+             "handle"_a, "y"_a, "topk_idx"_a, "topk_weights"_a, "out"_a, "stream"_a, "phase"_a = "send_recv",
+             "num_sms"_a = 0)
         .def("check", [](const PyEpBuffer& b) { b.use()->check(); })
-        .def(
-            "sync_and_check",
-            [](PyEpBuffer& b, uintptr_t stream) {
-                DeviceScope scope(b.s->device);
-                b.use()->sync_and_check(as_stream(stream));
-            },
-            Release());
+        .def("sync_and_check", interruptibly([](PyEpBuffer& b, uintptr_t stream) {
+                 DeviceScope scope(b.s->device);
+                 b.use()->sync_and_check(as_stream(stream));
+             }));
 }
 
 }  // namespace weft::python

@@ -2,7 +2,8 @@
 // weft._weft: the Python binding of weft's runtime and ops (nanobind). Tensors cross as TensorViews built from raw
 // device pointers, shapes, strides and dtype codes, and streams as integers (cudaStream_t), so the extension has no
 // dependency on PyTorch; python/weft converts torch tensors. Every call that may block, meet other ranks or launch
-// work runs with the GIL released (the store adapter takes it back for its Python calls).
+// work runs with the GIL released (the store adapter takes it back for its Python calls); those that wait for other
+// ranks run as interruptible calls (binding.hpp: Ctrl-C ends them).
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
@@ -105,7 +106,7 @@ struct PyOp {
     }
     typename Closable<Op>::Use use() const { return op.use(); }
     void close() {
-        if (op.close([] {})) --h->live_objects;
+        if (interruptible<true>(h.get(), [&] { return op.close([] {}); })) --h->live_objects;
     }
 };
 
@@ -153,6 +154,7 @@ NB_MODULE(_weft, m) {
     m.doc() = "weft's C++ runtime and ops (use the Python package weft, which converts torch tensors)";
     nb::exception<weft::Error>(m, "Error", PyExc_RuntimeError);
     m.attr("__version__") = WEFT_VERSION_STRING;
+    install_process_hooks();
     bind_ep(m);
     bind_testing(m);
 
@@ -184,45 +186,40 @@ NB_MODULE(_weft, m) {
 
     // ---- stores ----
     nb::class_<PyStoreAdapter>(m, "StoreAdapter")
-        .def("__init__",
-             [](PyStoreAdapter* self, nb::object store, const std::optional<std::string>& prefix) {
-                 std::shared_ptr<Store> s = std::make_shared<PythonStore>(std::move(store));
-                 if (prefix) s = make_prefix_store(std::move(s), *prefix);
-                 new (self) PyStoreAdapter{std::move(s)};
-             },
-             "store"_a.none(), "prefix"_a = nb::none())
+        .def(
+            "__init__",
+            [](PyStoreAdapter* self, nb::object store, const std::optional<std::string>& prefix) {
+                std::shared_ptr<Store> s = std::make_shared<PythonStore>(std::move(store));
+                if (prefix) s = make_prefix_store(std::move(s), *prefix);
+                new (self) PyStoreAdapter{std::move(s)};
+            },
+            "store"_a.none(), "prefix"_a = nb::none())
         .def("set",
              [](PyStoreAdapter& a, const std::string& key, const nb::bytes& value) {
                  Bytes v = from_bytes(value);
-                 nb::gil_scoped_release release;
-                 a.store->set(key, v);
+                 interruptible(nullptr, [&] { a.store->set(key, v); });
              })
         .def("get",
              [](PyStoreAdapter& a, const std::string& key, int64_t timeout_ms) {
-                 Bytes v;
-                 {
-                     nb::gil_scoped_release release;
-                     v = a.store->get(key, std::chrono::milliseconds(timeout_ms));
-                 }
-                 return to_bytes(v);
+                 return to_bytes(
+                     interruptible(nullptr, [&] { return a.store->get(key, std::chrono::milliseconds(timeout_ms)); }));
              })
-        .def("add", [](PyStoreAdapter& a, const std::string& key, int64_t delta) { return a.store->add(key, delta); },
-             Release())
-        .def("check", [](PyStoreAdapter& a, const std::string& key) { return a.store->check(key); }, Release())
-        .def("erase", [](PyStoreAdapter& a, const std::string& key) { a.store->erase(key); }, Release())
+        .def("add", interruptibly([](PyStoreAdapter& a, const std::string& key, int64_t delta) {
+                 return a.store->add(key, delta);
+             }))
+        .def("check", interruptibly([](PyStoreAdapter& a, const std::string& key) { return a.store->check(key); }))
+        .def("erase", interruptibly([](PyStoreAdapter& a, const std::string& key) { a.store->erase(key); }))
         .def("barrier",
              [](PyStoreAdapter& a, const std::string& name, int rank, int num_ranks, int64_t timeout_ms) {
-                 a.store->barrier(name, rank, num_ranks, std::chrono::milliseconds(timeout_ms));
-             },
-             Release())
+                 interruptible(nullptr,
+                               [&] { a.store->barrier(name, rank, num_ranks, std::chrono::milliseconds(timeout_ms)); });
+             })
         .def("all_gather", [](PyStoreAdapter& a, const std::string& name, int rank, int num_ranks,
                               const nb::bytes& blob, int64_t timeout_ms) {
             Bytes mine = from_bytes(blob);
-            std::vector<Bytes> all;
-            {
-                nb::gil_scoped_release release;
-                all = a.store->all_gather(name, rank, num_ranks, mine, std::chrono::milliseconds(timeout_ms));
-            }
+            const std::vector<Bytes> all = interruptible(nullptr, [&] {
+                return a.store->all_gather(name, rank, num_ranks, mine, std::chrono::milliseconds(timeout_ms));
+            });
             nb::list out;
             for (const Bytes& b : all) out.append(to_bytes(b));
             return out;
@@ -233,12 +230,8 @@ NB_MODULE(_weft, m) {
         .def_static(
             "from_env",
             [](int device, uint64_t heap_bytes, int sm_budget, int64_t timeout_ms) {
-                std::unique_ptr<World> w;
-                {
-                    nb::gil_scoped_release release;
-                    w = World::from_env(make_options(device, heap_bytes, sm_budget, timeout_ms));
-                }
-                return new PyWorld(std::move(w));
+                return new PyWorld(interruptible(
+                    nullptr, [&] { return World::from_env(make_options(device, heap_bytes, sm_budget, timeout_ms)); }));
             },
             "device"_a = -1, "heap_bytes"_a = 0, "sm_budget"_a = 0, "timeout_ms"_a = 0, nb::rv_policy::take_ownership)
         .def_static(
@@ -256,26 +249,23 @@ NB_MODULE(_weft, m) {
                 membership.local_rank = local_rank;
                 membership.local_num_ranks = local_num_ranks;
                 membership.key_prefix = key_prefix;
-                std::unique_ptr<World> w;
-                {
-                    nb::gil_scoped_release release;
-                    WorldOptions options = make_options(device, heap_bytes, sm_budget, timeout_ms);
-                    options.dead_peer_timeout = std::chrono::milliseconds(dead_peer_ms);
-                    w = World::from_store(store.store, membership, options);
-                }
-                return new PyWorld(std::move(w));
+                WorldOptions options = make_options(device, heap_bytes, sm_budget, timeout_ms);
+                options.dead_peer_timeout = std::chrono::milliseconds(dead_peer_ms);
+                return new PyWorld(
+                    interruptible(nullptr, [&] { return World::from_store(store.store, membership, options); }));
             },
             "store"_a, "rank"_a, "num_ranks"_a, "local_rank"_a = -1, "local_num_ranks"_a = 0, "key_prefix"_a = "weft",
             "device"_a = -1, "heap_bytes"_a = 0, "sm_budget"_a = 0, "timeout_ms"_a = 0, "dead_peer_ms"_a = 0,
             nb::rv_policy::take_ownership)
-        .def("close", &PyWorld::close)
-        // abort is let in while the World closes: it ends the calls in flight that close() waits for.
+        .def("close", [](PyWorld& w) { interruptible<true>(w.h.get(), [&] { w.close(); }); })
+        // abort is let in while the World closes (it ends the calls in flight that close() waits for), and from a
+        // signal handler that runs inside a weft call (all such a handler may do: binding.hpp).
         .def(
             "abort",
             [](PyWorld& w, const std::string& reason) {
                 const WorldUse world = w.use(Admit::kOpenOrClosing);
-                nb::gil_scoped_release release;
-                world->abort(reason);
+                // Its store calls may be interrupted.
+                interruptible<false, FromSignalHandler::kAllow>(w.h.get(), [&] { world->abort(reason); });
             },
             "reason"_a)
         .def_prop_ro("aborted",
@@ -290,22 +280,25 @@ NB_MODULE(_weft, m) {
         .def_prop_ro("sm_budget", [](const PyWorld& w) { return w.use()->sm_budget(); })
         .def_prop_ro("num_ranks_on_device", [](const PyWorld& w) { return w.use()->num_ranks_on_device(); })
         .def_prop_ro("timeout_ms", [](const PyWorld& w) { return static_cast<int64_t>(w.use()->timeout().count()); })
-        .def(
-            "barrier", [](PyWorld& w) { w.use()->barrier(); }, Release())
-        .def(
-            "sync_and_check", [](PyWorld& w, uintptr_t stream) { w.use()->sync_and_check(as_stream(stream)); },
-            "stream"_a, Release())
+        .def("barrier", [](PyWorld& w) { interruptible(w.h.get(), [&] { w.use()->barrier(); }); })
+        .def("sync_and_check",
+             interruptibly([](PyWorld& w, uintptr_t stream) { w.use()->sync_and_check(as_stream(stream)); }),
+             "stream"_a)
         .def("check_diagnostics", [](PyWorld& w) { w.use()->check_diagnostics(); })
         // The symmetric heap (collective alloc and free: every rank, same arguments, same order).
         .def(
             "alloc",
             [](PyWorld& w, uint64_t bytes, uint64_t align) {
-                return reinterpret_cast<uintptr_t>(w.use()->heap().alloc(bytes, align));
+                return interruptible(w.h.get(),
+                                     [&] { return reinterpret_cast<uintptr_t>(w.use()->heap().alloc(bytes, align)); });
             },
-            "bytes"_a, "align"_a = 256, Release())
+            "bytes"_a, "align"_a = 256)
         .def(
-            "free", [](PyWorld& w, uintptr_t ptr) { w.use()->heap().free(reinterpret_cast<void*>(ptr)); }, "ptr"_a,
-            Release())
+            "free",
+            [](PyWorld& w, uintptr_t ptr) {
+                interruptible(w.h.get(), [&] { w.use()->heap().free(reinterpret_cast<void*>(ptr)); });
+            },
+            "ptr"_a)
         .def(
             "heap_contains",
             [](const PyWorld& w, uintptr_t ptr, uint64_t bytes) {
@@ -323,13 +316,11 @@ NB_MODULE(_weft, m) {
                  return PyTeam{w.h, w.use()->node_team()};
              })
         .def("prepare_collectives", [](PyWorld& w) {
-            ops::CollectiveWorkspaceInfo info;
-            {
-                nb::gil_scoped_release release;
+            const ops::CollectiveWorkspaceInfo info = interruptible(w.h.get(), [&] {
                 const WorldUse world = w.use();
                 DeviceScope scope(world->device());  // the workspace's streams and events on the World's GPU
-                info = ops::prepare_collectives(*world);
-            }
+                return ops::prepare_collectives(*world);
+            });
             nb::dict d;
             d["num_ranks"] = info.topology.num_ranks;
             d["max_ranks_per_gpu"] = info.topology.max_ranks_per_gpu;
@@ -342,22 +333,27 @@ NB_MODULE(_weft, m) {
     nb::class_<PyTeam>(m, "Team")
         .def_prop_ro("id", [](const PyTeam& t) { return t.team.id(); })
         .def_prop_ro("is_world", [](const PyTeam& t) { return t.team.is_world(); })
-        .def(
-            "barrier",
-            [](const PyTeam& t) {
-                const WorldUse world = t.use();
-                t.get().barrier();
-            },
-            Release())
+        .def("barrier",
+             [](const PyTeam& t) {
+                 interruptible(t.h.get(), [&] {
+                     const WorldUse world = t.use();
+                     t.get().barrier();
+                 });
+             })
         .def(
             "alloc",
             [](const PyTeam& t, uint64_t bytes, uint64_t align) {
-                return reinterpret_cast<uintptr_t>(t.use()->heap().alloc(t.get(), bytes, align));
+                return interruptible(t.h.get(), [&] {
+                    return reinterpret_cast<uintptr_t>(t.use()->heap().alloc(t.get(), bytes, align));
+                });
             },
-            "bytes"_a, "align"_a = 256, Release())
+            "bytes"_a, "align"_a = 256)
         .def(
-            "free", [](const PyTeam& t, uintptr_t ptr) { t.use()->heap().free(t.get(), reinterpret_cast<void*>(ptr)); },
-            "ptr"_a, Release())
+            "free",
+            [](const PyTeam& t, uintptr_t ptr) {
+                interruptible(t.h.get(), [&] { t.use()->heap().free(t.get(), reinterpret_cast<void*>(ptr)); });
+            },
+            "ptr"_a)
         .def_prop_ro("rank", [](const PyTeam& t) { return t.team.rank(); })
         .def_prop_ro("num_ranks", [](const PyTeam& t) { return t.team.num_ranks(); })
         .def_prop_ro("is_member", [](const PyTeam& t) { return t.team.is_member(); })
@@ -371,60 +367,52 @@ NB_MODULE(_weft, m) {
              })
         .def("split_color", [](const PyTeam& t, int color, int key) {
             const WorldUse world = t.use();
-            Team made;
-            {
-                nb::gil_scoped_release release;
-                made = t.get().split_color(color, key);
-            }
-            return PyTeam{t.h, made};
+            return PyTeam{t.h, interruptible(t.h.get(), [&] { return t.get().split_color(color, key); })};
         });
 
     // ---- collectives (stream: a cudaStream_t as an integer) ----
-    m.def(
-        "all_reduce",
-        [](PyWorld& w, const TensorView& input, const TensorView& output, uintptr_t stream, int algo,
-           const PyTeam* team) {
-            const WorldUse world = w.use();
-            DeviceScope scope(world->device());  // the World's, whatever the thread's
-            ops::AllReduceOptions o;
-            o.algo = static_cast<ops::AllReduceAlgo>(algo);
-            if (team != nullptr) {
-                ops::all_reduce(team->get(&w.h), input, output, as_stream(stream), o);
-            } else {
-                ops::all_reduce(*world, input, output, as_stream(stream), o);
-            }
-        },
-        "world"_a, "input"_a, "output"_a, "stream"_a, "algo"_a = 0, "team"_a = nb::none(), Release());
-    m.def(
-        "all_gather",
-        [](PyWorld& w, const TensorView& input, const TensorView& output, uintptr_t stream, int algo,
-           const PyTeam* team) {
-            const WorldUse world = w.use();
-            DeviceScope scope(world->device());  // the World's, whatever the thread's
-            ops::AllGatherOptions o;
-            o.algo = static_cast<ops::AllGatherAlgo>(algo);
-            if (team != nullptr) {
-                ops::all_gather(team->get(&w.h), input, output, as_stream(stream), o);
-            } else {
-                ops::all_gather(*world, input, output, as_stream(stream), o);
-            }
-        },
-        "world"_a, "input"_a, "output"_a, "stream"_a, "algo"_a = 0, "team"_a = nb::none(), Release());
-    m.def(
-        "reduce_scatter",
-        [](PyWorld& w, const TensorView& input, const TensorView& output, uintptr_t stream, int algo,
-           const PyTeam* team) {
-            const WorldUse world = w.use();
-            DeviceScope scope(world->device());  // the World's, whatever the thread's
-            ops::ReduceScatterOptions o;
-            o.algo = static_cast<ops::ReduceScatterAlgo>(algo);
-            if (team != nullptr) {
-                ops::reduce_scatter(team->get(&w.h), input, output, as_stream(stream), o);
-            } else {
-                ops::reduce_scatter(*world, input, output, as_stream(stream), o);
-            }
-        },
-        "world"_a, "input"_a, "output"_a, "stream"_a, "algo"_a = 0, "team"_a = nb::none(), Release());
+    m.def("all_reduce",
+          interruptibly([](PyWorld& w, const TensorView& input, const TensorView& output, uintptr_t stream, int algo,
+                           const PyTeam* team) {
+              const WorldUse world = w.use();
+              DeviceScope scope(world->device());  // the World's, whatever the thread's
+              ops::AllReduceOptions o;
+              o.algo = static_cast<ops::AllReduceAlgo>(algo);
+              if (team != nullptr) {
+                  ops::all_reduce(team->get(&w.h), input, output, as_stream(stream), o);
+              } else {
+                  ops::all_reduce(*world, input, output, as_stream(stream), o);
+              }
+          }),
+          "world"_a, "input"_a, "output"_a, "stream"_a, "algo"_a = 0, "team"_a = nb::none());
+    m.def("all_gather",
+          interruptibly([](PyWorld& w, const TensorView& input, const TensorView& output, uintptr_t stream, int algo,
+                           const PyTeam* team) {
+              const WorldUse world = w.use();
+              DeviceScope scope(world->device());  // the World's, whatever the thread's
+              ops::AllGatherOptions o;
+              o.algo = static_cast<ops::AllGatherAlgo>(algo);
+              if (team != nullptr) {
+                  ops::all_gather(team->get(&w.h), input, output, as_stream(stream), o);
+              } else {
+                  ops::all_gather(*world, input, output, as_stream(stream), o);
+              }
+          }),
+          "world"_a, "input"_a, "output"_a, "stream"_a, "algo"_a = 0, "team"_a = nb::none());
+    m.def("reduce_scatter",
+          interruptibly([](PyWorld& w, const TensorView& input, const TensorView& output, uintptr_t stream, int algo,
+                           const PyTeam* team) {
+              const WorldUse world = w.use();
+              DeviceScope scope(world->device());  // the World's, whatever the thread's
+              ops::ReduceScatterOptions o;
+              o.algo = static_cast<ops::ReduceScatterAlgo>(algo);
+              if (team != nullptr) {
+                  ops::reduce_scatter(team->get(&w.h), input, output, as_stream(stream), o);
+              } else {
+                  ops::reduce_scatter(*world, input, output, as_stream(stream), o);
+              }
+          }),
+          "world"_a, "input"_a, "output"_a, "stream"_a, "algo"_a = 0, "team"_a = nb::none());
     // The same collectives on contiguous buffers given as a data pointer and an element count (the Python wrappers'
     // form: no TensorView object is made per call).
     m.def(
@@ -434,67 +422,64 @@ NB_MODULE(_weft, m) {
             ops::count_refused_collective_call(team != nullptr ? team->get(&w.h) : world->team());
         },
         "world"_a, "team"_a = nb::none());
-    m.def(
-        "all_reduce_flat",
-        [](PyWorld& w, uintptr_t input, uintptr_t output, int64_t numel, int dtype, uintptr_t stream, int algo,
-           const PyTeam* team) {
-            const WorldUse world = w.use();
-            DeviceScope scope(world->device());
-            ops::AllReduceOptions o;
-            o.algo = static_cast<ops::AllReduceAlgo>(algo);
-            const TensorView in = flat_view(input, dtype, numel), out = flat_view(output, dtype, numel);
-            if (team != nullptr) {
-                ops::all_reduce(team->get(&w.h), in, out, as_stream(stream), o);
-            } else {
-                ops::all_reduce(*world, in, out, as_stream(stream), o);
-            }
-        },
-        "world"_a, "input"_a, "output"_a, "numel"_a, "dtype"_a, "stream"_a, "algo"_a = 0, "team"_a = nb::none(),
-        Release());
-    m.def(
-        "all_gather_flat",
-        [](PyWorld& w, uintptr_t input, int64_t input_numel, uintptr_t output, int64_t output_numel, int dtype,
-           uintptr_t stream, int algo, const PyTeam* team) {
-            const WorldUse world = w.use();
-            DeviceScope scope(world->device());
-            ops::AllGatherOptions o;
-            o.algo = static_cast<ops::AllGatherAlgo>(algo);
-            const TensorView in = flat_view(input, dtype, input_numel), out = flat_view(output, dtype, output_numel);
-            if (team != nullptr) {
-                ops::all_gather(team->get(&w.h), in, out, as_stream(stream), o);
-            } else {
-                ops::all_gather(*world, in, out, as_stream(stream), o);
-            }
-        },
-        "world"_a, "input"_a, "input_numel"_a, "output"_a, "output_numel"_a, "dtype"_a, "stream"_a, "algo"_a = 0,
-        "team"_a = nb::none(), Release());
-    m.def(
-        "reduce_scatter_flat",
-        [](PyWorld& w, uintptr_t input, int64_t input_numel, uintptr_t output, int64_t output_numel, int dtype,
-           uintptr_t stream, int algo, const PyTeam* team) {
-            const WorldUse world = w.use();
-            DeviceScope scope(world->device());
-            ops::ReduceScatterOptions o;
-            o.algo = static_cast<ops::ReduceScatterAlgo>(algo);
-            const TensorView in = flat_view(input, dtype, input_numel), out = flat_view(output, dtype, output_numel);
-            if (team != nullptr) {
-                ops::reduce_scatter(team->get(&w.h), in, out, as_stream(stream), o);
-            } else {
-                ops::reduce_scatter(*world, in, out, as_stream(stream), o);
-            }
-        },
-        "world"_a, "input"_a, "input_numel"_a, "output"_a, "output_numel"_a, "dtype"_a, "stream"_a, "algo"_a = 0,
-        "team"_a = nb::none(), Release());
+    m.def("all_reduce_flat",
+          interruptibly([](PyWorld& w, uintptr_t input, uintptr_t output, int64_t numel, int dtype, uintptr_t stream,
+                           int algo, const PyTeam* team) {
+              const WorldUse world = w.use();
+              DeviceScope scope(world->device());
+              ops::AllReduceOptions o;
+              o.algo = static_cast<ops::AllReduceAlgo>(algo);
+              const TensorView in = flat_view(input, dtype, numel), out = flat_view(output, dtype, numel);
+              if (team != nullptr) {
+                  ops::all_reduce(team->get(&w.h), in, out, as_stream(stream), o);
+              } else {
+                  ops::all_reduce(*world, in, out, as_stream(stream), o);
+              }
+          }),
+          "world"_a, "input"_a, "output"_a, "numel"_a, "dtype"_a, "stream"_a, "algo"_a = 0, "team"_a = nb::none());
+    m.def("all_gather_flat",
+          interruptibly([](PyWorld& w, uintptr_t input, int64_t input_numel, uintptr_t output, int64_t output_numel,
+                           int dtype, uintptr_t stream, int algo, const PyTeam* team) {
+              const WorldUse world = w.use();
+              DeviceScope scope(world->device());
+              ops::AllGatherOptions o;
+              o.algo = static_cast<ops::AllGatherAlgo>(algo);
+              const TensorView in = flat_view(input, dtype, input_numel), out = flat_view(output, dtype, output_numel);
+              if (team != nullptr) {
+                  ops::all_gather(team->get(&w.h), in, out, as_stream(stream), o);
+              } else {
+                  ops::all_gather(*world, in, out, as_stream(stream), o);
+              }
+          }),
+          "world"_a, "input"_a, "input_numel"_a, "output"_a, "output_numel"_a, "dtype"_a, "stream"_a, "algo"_a = 0,
+          "team"_a = nb::none());
+    m.def("reduce_scatter_flat",
+          interruptibly([](PyWorld& w, uintptr_t input, int64_t input_numel, uintptr_t output, int64_t output_numel,
+                           int dtype, uintptr_t stream, int algo, const PyTeam* team) {
+              const WorldUse world = w.use();
+              DeviceScope scope(world->device());
+              ops::ReduceScatterOptions o;
+              o.algo = static_cast<ops::ReduceScatterAlgo>(algo);
+              const TensorView in = flat_view(input, dtype, input_numel), out = flat_view(output, dtype, output_numel);
+              if (team != nullptr) {
+                  ops::reduce_scatter(team->get(&w.h), in, out, as_stream(stream), o);
+              } else {
+                  ops::reduce_scatter(*world, in, out, as_stream(stream), o);
+              }
+          }),
+          "world"_a, "input"_a, "input_numel"_a, "output"_a, "output_numel"_a, "dtype"_a, "stream"_a, "algo"_a = 0,
+          "team"_a = nb::none());
     // Benchmark support: `iters` back-to-back all_reduce calls made from C++ (no Python between them); returns the
     // host seconds they took, the floor the Python layers are measured against (bench/python/bench_overhead.py).
-    m.def("time_all_reduce_calls", [](PyWorld& w, const TensorView& input, const TensorView& output, uintptr_t stream,
-                                      int iters) {
+    m.def("time_all_reduce_calls",
+          interruptibly([](PyWorld& w, const TensorView& input, const TensorView& output, uintptr_t stream, int iters) {
               WEFT_CHECK(iters > 0, "iters: expected a positive count, got " << iters);
               const WorldUse world = w.use();
               const auto start = std::chrono::steady_clock::now();
               for (int i = 0; i < iters; ++i) ops::all_reduce(*world, input, output, as_stream(stream));
               return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-          }, "world"_a, "input"_a, "output"_a, "stream"_a, "iters"_a, Release());
+          }),
+          "world"_a, "input"_a, "output"_a, "stream"_a, "iters"_a);
     m.def("parse_algo", [](const std::string& op, const std::string& name) -> int {
         std::optional<int> code;
         if (op == "all_reduce") {
@@ -541,17 +526,25 @@ NB_MODULE(_weft, m) {
         [](const TensorView& q, const TensorView& k_cache, const TensorView& v_cache, const TensorView& block_table,
            const TensorView& seq_lens, int64_t max_seq_len, const TensorView& out, const std::optional<TensorView>& lse,
            int device, uintptr_t stream, std::optional<float> scale, int num_splits,
-           const std::optional<TensorView>& workspace) {
+           const std::optional<TensorView>& workspace, const std::optional<TensorView>& status) {
             DeviceScope scope(device);
             ops::DecodeAttentionOptions o;
             o.scale = scale;
             o.num_splits = num_splits;
             if (workspace) o.workspace = *workspace;
+            // An int32 [4] tensor (the wrapper checks it): the record's four fields in order.
+            if (status) o.status = static_cast<ops::AttentionStatus*>(status->data);
             ops::decode_attention(q, k_cache, v_cache, block_table, seq_lens, max_seq_len, out,
                                   lse ? *lse : TensorView(), as_stream(stream), o);
         },
         "q"_a, "k_cache"_a, "v_cache"_a, "block_table"_a, "seq_lens"_a, "max_seq_len"_a, "out"_a, "lse"_a.none(),
-        "device"_a, "stream"_a, "scale"_a.none(), "num_splits"_a, "workspace"_a.none(), Release());
+        "device"_a, "stream"_a, "scale"_a.none(), "num_splits"_a, "workspace"_a.none(), "status"_a.none(), Release());
+    m.def(
+        "describe_attention_status",
+        [](int32_t code, int32_t sequence, int32_t page, int32_t value) {
+            return ops::describe_attention_status(AttentionStatus{code, sequence, page, value});
+        },
+        "code"_a, "sequence"_a, "page"_a, "value"_a);
     m.def(
         "decode_attention_workspace_bytes",
         [](int64_t batch, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, int64_t max_seq_len,
@@ -578,24 +571,20 @@ NB_MODULE(_weft, m) {
                 o.copy_streams = copy_streams;
                 o.sm_budget = sm_budget;
                 o.autotune = autotune;
-                std::unique_ptr<ops::AgGemm> op;
-                {
-                    nb::gil_scoped_release release;
-                    op = team ? std::make_unique<ops::AgGemm>(team->get(&w.h), shape, o)
-                              : std::make_unique<ops::AgGemm>(*world, shape, o);
-                }
+                std::unique_ptr<ops::AgGemm> op = interruptible(w.h.get(), [&] {
+                    return team ? std::make_unique<ops::AgGemm>(team->get(&w.h), shape, o)
+                                : std::make_unique<ops::AgGemm>(*world, shape, o);
+                });
                 new (self) PyAgGemm(w.h, world->device(), std::move(op), "AgGemm");
             },
             "world"_a, "max_m"_a, "n"_a, "k"_a, "dtype"_a, "chunk_rows"_a = 0, "copy_streams"_a = 0, "sm_budget"_a = 0,
             "autotune"_a = false, "team"_a = nb::none())
-        .def(
-            "run",
-            [](PyAgGemm& op, const TensorView& a, const TensorView& b, const TensorView& c, uintptr_t stream) {
-                const auto use = op.use();
-                DeviceScope scope(op.device);
-                use->run(a, b, c, as_stream(stream));
-            },
-            Release())
+        .def("run", interruptibly([](PyAgGemm& op, const TensorView& a, const TensorView& b, const TensorView& c,
+                                     uintptr_t stream) {
+                 const auto use = op.use();
+                 DeviceScope scope(op.device);
+                 use->run(a, b, c, as_stream(stream));
+             }))
         .def("gathered", [](const PyAgGemm& op, int64_t m) { return op.use()->gathered(m); })
         .def("local_shard", [](const PyAgGemm& op, int64_t m) { return op.use()->local_shard(m); })
         .def_prop_ro("max_m", [](const PyAgGemm& op) { return op.use()->shape().max_m; })
@@ -621,24 +610,20 @@ NB_MODULE(_weft, m) {
                 o.reduce_ctas = reduce_ctas;
                 o.sm_budget = sm_budget;
                 o.autotune = autotune;
-                std::unique_ptr<ops::GemmRs> op;
-                {
-                    nb::gil_scoped_release release;
-                    op = team ? std::make_unique<ops::GemmRs>(team->get(&w.h), shape, o)
-                              : std::make_unique<ops::GemmRs>(*world, shape, o);
-                }
+                std::unique_ptr<ops::GemmRs> op = interruptible(w.h.get(), [&] {
+                    return team ? std::make_unique<ops::GemmRs>(team->get(&w.h), shape, o)
+                                : std::make_unique<ops::GemmRs>(*world, shape, o);
+                });
                 new (self) PyGemmRs(w.h, world->device(), std::move(op), "GemmRs");
             },
             "world"_a, "max_m"_a, "n"_a, "k"_a, "dtype"_a, "mode"_a = "auto", "partial_dtype"_a = nb::none(),
             "chunk_rows"_a = 0, "reduce_ctas"_a = 0, "sm_budget"_a = 0, "autotune"_a = false, "team"_a = nb::none())
-        .def(
-            "run",
-            [](PyGemmRs& op, const TensorView& a, const TensorView& b, const TensorView& c, uintptr_t stream) {
-                const auto use = op.use();
-                DeviceScope scope(op.device);
-                use->run(a, b, c, as_stream(stream));
-            },
-            Release())
+        .def("run", interruptibly([](PyGemmRs& op, const TensorView& a, const TensorView& b, const TensorView& c,
+                                     uintptr_t stream) {
+                 const auto use = op.use();
+                 DeviceScope scope(op.device);
+                 use->run(a, b, c, as_stream(stream));
+             }))
         .def_prop_ro("max_m", [](const PyGemmRs& op) { return op.use()->shape().max_m; })
         .def_prop_ro("n", [](const PyGemmRs& op) { return op.use()->shape().n; })
         .def_prop_ro("k", [](const PyGemmRs& op) { return op.use()->shape().k; })
@@ -660,24 +645,20 @@ NB_MODULE(_weft, m) {
                 o.reduce_ctas = reduce_ctas;
                 o.sm_budget = sm_budget;
                 o.collective_all_reduce = collective_all_reduce;
-                std::unique_ptr<ops::GemmAr> op;
-                {
-                    nb::gil_scoped_release release;
-                    op = team ? std::make_unique<ops::GemmAr>(team->get(&w.h), shape, o)
-                              : std::make_unique<ops::GemmAr>(*world, shape, o);
-                }
+                std::unique_ptr<ops::GemmAr> op = interruptible(w.h.get(), [&] {
+                    return team ? std::make_unique<ops::GemmAr>(team->get(&w.h), shape, o)
+                                : std::make_unique<ops::GemmAr>(*world, shape, o);
+                });
                 new (self) PyGemmAr(w.h, world->device(), std::move(op), "GemmAr");
             },
             "world"_a, "max_m"_a, "n"_a, "k"_a, "dtype"_a, "partial_dtype"_a = nb::none(), "reduce_ctas"_a = 0,
             "sm_budget"_a = 0, "collective_all_reduce"_a = true, "team"_a = nb::none())
-        .def(
-            "run",
-            [](PyGemmAr& op, const TensorView& a, const TensorView& b, const TensorView& c, uintptr_t stream) {
-                const auto use = op.use();
-                DeviceScope scope(op.device);
-                use->run(a, b, c, as_stream(stream));
-            },
-            Release())
+        .def("run", interruptibly([](PyGemmAr& op, const TensorView& a, const TensorView& b, const TensorView& c,
+                                     uintptr_t stream) {
+                 const auto use = op.use();
+                 DeviceScope scope(op.device);
+                 use->run(a, b, c, as_stream(stream));
+             }))
         .def_prop_ro("max_m", [](const PyGemmAr& op) { return op.use()->shape().max_m; })
         .def_prop_ro("n", [](const PyGemmAr& op) { return op.use()->shape().n; })
         .def_prop_ro("k", [](const PyGemmAr& op) { return op.use()->shape().k; })

@@ -9,6 +9,7 @@
 #include <algorithm>
 
 #include "weft/runtime/error.hpp"
+#include "weft/runtime/store.hpp"
 
 namespace weft::python {
 
@@ -28,7 +29,8 @@ std::string describe(nb::python_error& e) {
 }
 
 // Runs `fn` (which calls into Python) with the GIL held; a Python exception becomes a weft::Error thrown after the
-// GIL is released again, so the exception object never needs the GIL.
+// GIL is released again, so the exception object never needs the GIL. One that is no Exception (KeyboardInterrupt,
+// SystemExit) is also kept for the interruptible call in progress on this thread, which raises it as itself.
 template <class Fn>
 auto with_gil(const char* method, const std::string& key, Fn&& fn) -> decltype(fn()) {
     std::string failure;
@@ -37,13 +39,18 @@ auto with_gil(const char* method, const std::string& key, Fn&& fn) -> decltype(f
         try {
             return fn();
         } catch (nb::python_error& e) {
+            poll_signals_holding_gil();  // a signal that came during the call: its handler runs here, not in describe
             failure = describe(e);
+            if (!e.matches(PyExc_Exception)) keep_interrupt(std::move(e));
         } catch (const std::exception& e) {
             failure = e.what();
         }
     }
     WEFT_FAIL("store." << method << "('" << key << "') raised: " << failure);
 }
+
+// How long one wait of the store lasts on a thread that runs the signal handlers between waits.
+constexpr std::chrono::milliseconds kSignalPollSlice{100};
 
 }  // namespace
 
@@ -75,7 +82,30 @@ void PythonStore::set(const std::string& key, const Bytes& value) {
     });
 }
 
+// A store's wait may block in C with the GIL released, as torch's do, where no signal handler runs: on the thread that
+// runs them (the main thread, in an interruptible call) it waits in slices and asks for them in between.
 Bytes PythonStore::get(const std::string& key, std::chrono::milliseconds timeout) {
+    using Clock = std::chrono::steady_clock;
+    const auto deadline = Clock::now() + timeout;
+    while (true) {
+        const auto left = std::max(std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()),
+                                   std::chrono::milliseconds(0));
+        const bool sliced = polls_signals_here() && left > kSignalPollSlice;
+        const auto slice = sliced ? kSignalPollSlice : left;
+        const auto slice_start = Clock::now();
+        try {
+            return get_once(key, slice);
+        } catch (const Error&) {
+            // A slice that ended early failed for another reason than its timeout: that failure is the answer.
+            if (!sliced || Clock::now() - slice_start < slice / 2) throw;
+        }
+        if (std::optional<std::string> why = wait_interrupted()) {
+            WEFT_FAIL("store.get('" << key << "') stopped: " << *why);
+        }
+    }
+}
+
+Bytes PythonStore::get_once(const std::string& key, std::chrono::milliseconds timeout) {
     return with_gil("get", key, [&] {
         nb::list keys;
         keys.append(nb::str(key.c_str(), key.size()));

@@ -43,5 +43,14 @@ def test_decode_attention_refuses_bad_arguments_before_the_extension(calls):
 
 
 def test_the_attention_ops_are_exported():
-    for name in ("flash_attention", "decode_attention", "decode_attention_workspace_bytes"):
+    for name in ("flash_attention", "decode_attention", "decode_attention_workspace_bytes", "attention_status",
+                 "check_attention_status"):
         assert name in weft.__all__ and callable(getattr(weft, name))
+
+
+def test_check_attention_status_names_the_entry_and_passes_a_zero_record():
+    weft.check_attention_status(torch.zeros(4, dtype=torch.int32))
+    with pytest.raises(weft.Error, match=r"block_table\[2\]\[7\] = -1 is outside the cache's pages"):
+        weft.check_attention_status(torch.tensor([1, 2, 7, -1], dtype=torch.int32))
+    with pytest.raises(TypeError, match="status: expected the int32 tensor of 4 elements"):
+        weft.check_attention_status(torch.zeros(4, dtype=torch.int64))

@@ -267,6 +267,23 @@ def test_ep_calls_refuse_the_other_kind_of_handle_and_a_non_tensor(calls):
         buf.combine(normal, [1.0])
 
 
+def test_ep_low_latency_combine_checks_topk_idx_before_making_out_from_it(calls):
+    from weft import ep
+
+    buf = object.__new__(ep.Buffer)
+    buf._ctx, buf.hidden, buf.topk = _runtime._state.call_context, 8, 2
+    handle = object.__new__(ep.LowLatencyHandle)
+    weights = torch.zeros(4, 2, dtype=torch.float32)
+    # topk_idx on another device than the World's, or no tensor: named as itself, not as the out made from it
+    on_meta = torch.zeros(4, 2, dtype=torch.int32, device="meta")
+    with pytest.raises(ValueError, match=r"topk_idx: expected a tensor on cuda:0 \(this rank's GPU\), got one on meta"):
+        buf.low_latency_combine(handle, None, on_meta, weights, phase="recv")
+    with pytest.raises(TypeError, match="topk_idx: expected a torch.Tensor, got list"):
+        buf.low_latency_combine(handle, None, [[0, 1]], weights, phase="recv")
+    with pytest.raises(TypeError, match="topk_idx: expected dtype int32, got int64"):
+        buf.low_latency_combine(handle, None, torch.zeros(4, 2, dtype=torch.int64), weights, phase="recv")
+
+
 class _StandInGemmAr:
     def __init__(self, *args, **kwargs):
         self.runs = []

@@ -20,6 +20,7 @@ class _World:
 
     def __init__(self, device, heap_bytes, sm_budget, timeout_ms):
         self.rank, self.num_ranks, self.closed = 0, 1, False
+        self.aborts = []  # the reasons abort() was given
         self.device = max(device, 0)
         granule = 2 << 20
         self.heap_bytes = -(-(heap_bytes or 1 << 30) // granule) * granule
@@ -33,6 +34,13 @@ class _World:
 
     def close(self):
         self.closed = True
+
+    def abort(self, reason):
+        self.aborts.append(reason)
+
+    @property
+    def aborted(self):
+        return bool(self.aborts)
 
 
 @pytest.fixture
@@ -150,6 +158,36 @@ def test_finalize_after_the_worlds_own_close_is_quiet(stand_in):
     weft.init().close()
     weft.finalize()  # nothing left to close
     assert not weft.is_initialized()
+
+
+@pytest.mark.parametrize("where", ["in a weft wait", "in Python code"])
+def test_finalize_interrupted_in_one_close_closes_the_rest_then_raises_the_interrupt(stand_in, where):
+    # Ctrl-C during one close: the other objects and the World are closed all the same (a World left open would be
+    # closed by its destructor, where no signal handler runs), then KeyboardInterrupt. The World is aborted either way:
+    # by the interrupted weft wait itself, or else by finalize (the peers' closes of the object this rank skipped must
+    # not pair with its next ones).
+    closed = []
+    world = weft.init()
+
+    class Op:
+        def __init__(self, name, interrupted=False):
+            self.name, self.interrupted = name, interrupted
+
+        def close(self):
+            if self.interrupted:
+                if where == "in a weft wait":  # as an interruptible call does before it raises
+                    world.abort("its call was interrupted by KeyboardInterrupt")
+                raise KeyboardInterrupt
+            closed.append(self.name)
+
+    for op in (Op("older"), Op("newer", interrupted=True)):
+        _runtime._register(op)
+    with pytest.raises(KeyboardInterrupt):
+        weft.finalize()
+    assert closed == ["older"] and world.closed and not weft.is_initialized()
+    expected = ("its call was interrupted by KeyboardInterrupt" if where == "in a weft wait"
+                else "finalize was interrupted by KeyboardInterrupt")
+    assert world.aborts == [expected]
 
 
 # ---- fork ----

@@ -57,6 +57,10 @@ def test_bad_options_name_the_argument(fake_world):
         weft.empty((4,), torch.float64)
     with pytest.raises(ValueError, match=r"shape: expected non-negative sizes, got \(4, -1\)"):
         weft.empty((4, -1))
+    with pytest.raises(TypeError, match=r"shape: expected a sequence of integer sizes, got \(2.5, 8\)"):
+        weft.empty((2.5, 8))  # as torch.empty: not truncated to 2
+    with pytest.raises(TypeError, match=r"shape: expected a sequence of integer sizes, got '48'"):
+        weft.empty("48")
     with pytest.raises(TypeError, match="team: expected a weft.Team or None, got str"):
         weft.all_reduce(torch.zeros(4), team="tp")
     with pytest.raises(TypeError, match="tensor: expected a torch.Tensor, got int"):

@@ -3,6 +3,7 @@
 each call is enqueued on torch's current CUDA stream of that device (asynchronous, graph-capturable; the first
 flash_attention call on a device waits once on the host for weft's work counters to be zeroed)."""
 from . import _tensor, _weft
+from ._weft import Error
 from ._tensor import dtype_code, torch_module
 
 
@@ -71,7 +72,7 @@ def flash_attention(q, k, v, out=None, *, causal=False, scale=None, q_position=0
 
 
 def decode_attention(q, k_cache, v_cache, block_table, seq_lens, out=None, *, max_seq_len=None, scale=None,
-                     num_splits=0, return_lse=False, workspace=None):
+                     num_splits=0, return_lse=False, workspace=None, status=None):
     """Decode attention against a paged KV cache on one GPU (flash-decoding: KV splits across SMs, then a combine):
     one query token per sequence, out[b, h] = softmax(scale * q[b, h] k^T) v over the first seq_lens[b] tokens of
     sequence b, token j in slot j % page_size of page block_table[b, j // page_size].
@@ -84,8 +85,13 @@ def decode_attention(q, k_cache, v_cache, block_table, seq_lens, out=None, *, ma
     num_splits: KV splits per (sequence, KV head), 0 chooses. workspace: device scratch (u8, contiguous) of at least
     decode_attention_workspace_bytes(...) bytes (a 1-D uint8 tensor); without it weft keeps one per device and stream
     for the process's life (a program that makes a stream per call should pass one), grown by uncaptured calls, so capturing on a stream with no earlier uncaptured call of this size (torch.cuda.graph
-    captures on a side stream of its own) needs one. Calls on one stream come from one thread at a time. Returns out (allocated when None), or (out, lse) when return_lse (f32 [batch,
-    num_q_heads], natural log; -inf for an empty sequence, whose output is zeros)."""
+    captures on a side stream of its own) needs one. Calls on one stream come from one thread at a time.
+    status: None (the block-table entries are trusted: one outside [0, num_pages) is an out-of-bounds read), or an int32
+    tensor of 4 elements on q's device, zeroed (weft.attention_status() makes one): the entries are checked (a second
+    kernel build, a few percent slower), a sequence holding one outside the cache gets NaN out and lse, and the first
+    found is recorded there; weft.check_attention_status(status) raises weft.Error naming it. Returns out (allocated
+    when None), or (out, lse) when return_lse (f32 [batch, num_q_heads], natural log; -inf for an empty sequence, whose
+    output is zeros)."""
     torch = torch_module()
     halves = (torch.bfloat16, torch.float16)
     _check(q, "q", 3, halves)
@@ -101,13 +107,42 @@ def decode_attention(q, k_cache, v_cache, block_table, seq_lens, out=None, *, ma
     if workspace is not None:
         _check(workspace, "workspace", 1, (torch.uint8,), q.device)
         ws = _view(workspace, "workspace")
+    st = None
+    if status is not None:
+        _check(status, "status", 1, (torch.int32,), q.device)
+        if status.numel() != 4 or not status.is_contiguous():
+            raise ValueError(f"status: expected an int32 tensor of 4 contiguous elements (weft.attention_status()), "
+                             f"got shape {tuple(status.shape)} with strides {tuple(status.stride())}")
+        st = _view(status, "status")
     device = q.device.index
     _weft.decode_attention(_view(q, "q"), _view(k_cache, "k_cache"), _view(v_cache, "v_cache"),
                            _view(block_table, "block_table"), _view(seq_lens, "seq_lens"), int(max_seq_len),
                            _view(out, "out"), _view(lse, "lse") if lse is not None else None, device,
-                           _tensor._raw_stream(device), scale, int(num_splits), ws)
+                           _tensor._raw_stream(device), scale, int(num_splits), ws, st)
     _tensor.written(out)
     return (out, lse) if return_lse else out
+
+
+def attention_status(device=None):
+    """A zeroed int32 tensor of 4 elements on `device` (default: torch's current CUDA device) for decode_attention's
+    `status`: code (0: nothing found; 1: a block-table entry outside the cache), sequence, page (the entry's row and
+    column of block_table) and value."""
+    torch = torch_module()
+    index = None if device is None else torch.device(device).index
+    if index is None:
+        index = torch.cuda.current_device()
+    return torch.zeros(4, dtype=torch.int32, device=torch.device("cuda", index))
+
+
+def check_attention_status(status):
+    """Raises weft.Error naming the bad block-table entry decode_attention recorded in `status`, if any (reads the
+    tensor: waits for the work queued before on its device). Zero it again (status.zero_()) before reusing it."""
+    torch = torch_module()
+    if not isinstance(status, torch.Tensor) or status.dtype != torch.int32 or status.numel() != 4:
+        raise TypeError("status: expected the int32 tensor of 4 elements given to decode_attention")
+    code, sequence, page, value = (int(x) for x in status.tolist())
+    if code != 0:
+        raise Error(_weft.describe_attention_status(code, sequence, page, value))
 
 
 def decode_attention_workspace_bytes(batch, num_q_heads, num_kv_heads, head_dim, max_seq_len, *, num_splits=0,

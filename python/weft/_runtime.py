@@ -225,7 +225,16 @@ def finalize():
     for obj in reversed(list(state.objects)):  # the newest first: handles before the buffers they came from
         try:
             obj.close()
-        except Exception as e:  # noqa: BLE001 -- the others are closed all the same; the first error is raised
+        except BaseException as e:  # noqa: BLE001 -- the others are closed all the same; the first error is raised
+            # (a KeyboardInterrupt too; a World left open would be closed by its destructor, where no signal handler
+            # runs). One from a weft wait aborted the World; one that came in Python code did not: abort it here, or
+            # this rank's next closes would meet its peers' closes of the object it skipped (a hang or mismatched
+            # frees). On an aborted World the closes after it end at once.
+            if not isinstance(e, Exception) and not state.world.closed and not state.world.aborted:
+                try:
+                    state.world.abort(f"finalize was interrupted by {type(e).__name__}")
+                except Exception:  # noqa: BLE001 -- closing follows all the same
+                    pass
             first_error = first_error or e
     state.objects.clear()
     state.op_cache.clear()

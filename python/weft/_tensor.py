@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: MIT
 """torch tensors <-> weft TensorViews, and tensors on the symmetric heap (weft.empty / weft.free)."""
 import math
+import operator
 
 from . import _runtime, _weft
 from ._weft import Error, TensorView
@@ -223,7 +224,10 @@ def empty(shape, dtype=None, *, team=None):
     code = dtype_code(dtype)
     if isinstance(shape, int):
         shape = (shape,)
-    shape = tuple(int(s) for s in shape)
+    try:
+        shape = tuple(operator.index(s) for s in shape)  # as torch.empty: 2.5 is refused, not truncated to 2
+    except TypeError:
+        raise TypeError(f"shape: expected a sequence of integer sizes, got {shape!r}") from None
     if any(s < 0 for s in shape):
         raise ValueError(f"shape: expected non-negative sizes, got {shape}")
     numel = math.prod(shape)

@@ -174,6 +174,7 @@ class Buffer(_FusedOp):
         torch = torch_module()
         self._handle(handle, LowLatencyHandle, "low_latency_combine")
         if out is None and topk_idx is not None:
+            _view(topk_idx, "topk_idx", self._ctx, torch.int32)  # before out is made from it (on its device)
             out = torch.empty((topk_idx.shape[0], self.hidden), dtype=torch.bfloat16, device=topk_idx.device)
         if phase != "send":
             if topk_idx is None or topk_weights is None:

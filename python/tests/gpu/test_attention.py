@@ -148,6 +148,32 @@ def test_decode_attention_empty_sequence_workspace_and_graph(rank):
         assert rel_error(out[1], want[0]) < TOL[torch.bfloat16]
 
 
+def test_decode_attention_status_poisons_a_bad_sequence_and_names_the_entry(rank):
+    q = _randn((3, 8, 128), torch.bfloat16, 50, rank)
+    k, v = _randn((3, 600, 2, 128), torch.bfloat16, 51, rank), _randn((3, 600, 2, 128), torch.bfloat16, 52, rank)
+    kc, vc, table = _paged(k, v, 16, torch.Generator().manual_seed(9))
+    lens = torch.tensor([600, 500, 50], dtype=torch.int32, device="cuda")
+    status = weft.attention_status()
+    assert status.dtype == torch.int32 and status.shape == (4,) and not status.any()
+    want, want_lse = weft.decode_attention(q, kc, vc, table, lens, return_lse=True)
+    got, lse = weft.decode_attention(q, kc, vc, table, lens, return_lse=True, status=status)
+    weft.check_attention_status(status)  # a good table: nothing recorded, the same result
+    assert torch.equal(got, want) and torch.equal(lse, want_lse)
+    bad = table.clone()
+    bad[1, 20] = 1 << 30  # token 320 of sequence 1: read by the split kernel's loop
+    got, lse = weft.decode_attention(q, kc, vc, bad, lens, return_lse=True, status=status)
+    torch.cuda.synchronize()
+    assert torch.isnan(got[1]).all() and torch.isnan(lse[1]).all()
+    assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
+    assert status.tolist() == [1, 1, 20, 1 << 30]
+    with pytest.raises(weft.Error, match=r"block_table\[1\]\[20\] = 1073741824 is outside the cache's pages"):
+        weft.check_attention_status(status)
+    with pytest.raises(ValueError, match="status: expected an int32 tensor of 4 contiguous elements"):
+        weft.decode_attention(q, kc, vc, table, lens, status=torch.zeros(3, dtype=torch.int32, device="cuda"))
+    with pytest.raises(TypeError, match="status: expected dtype int32"):
+        weft.decode_attention(q, kc, vc, table, lens, status=torch.zeros(4, dtype=torch.int64, device="cuda"))
+
+
 def test_attention_argument_errors_name_the_argument(rank):
     q = torch.zeros((16, 4, 64), dtype=torch.bfloat16, device="cuda")
     with pytest.raises(weft.Error, match="num_q_heads"):
