@@ -41,14 +41,15 @@ struct PyEpBuffer {
     Closable<ep::Buffer>::Use use() const { return s->buffer.use(); }
     void close() {
         DeviceScope scope(s->device);
-        const bool closed = interruptible<true>(h.get(), [&] {
-            return s->buffer.close([&] {
+        // The count drops inside the call: an interrupt raised after the buffer was closed must not leave it counted.
+        interruptible<true>(h.get(), [&] {
+            const bool closed = s->buffer.close([&] {
                 WEFT_CHECK(s->live_handles == 0, "ep.Buffer.close: " << s->live_handles
                                                                      << " handle(s) made from it are still open; "
                                                                         "close them first (weft.finalize does)");
             });
+            if (closed) --h->live_objects;
         });
-        if (closed) --h->live_objects;
     }
 };
 
@@ -71,7 +72,9 @@ struct PyEpHandle {
     typename Closable<Handle>::Use use() const { return handle.use(); }
     void close() {
         DeviceScope scope(s->device);
-        if (interruptible<true>(h.get(), [&] { return handle.close([] {}); })) --s->live_handles;
+        interruptible<true>(h.get(), [&] {
+            if (handle.close([] {})) --s->live_handles;
+        });
     }
 };
 

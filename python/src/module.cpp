@@ -105,8 +105,11 @@ struct PyOp {
         }
     }
     typename Closable<Op>::Use use() const { return op.use(); }
+    /// The count drops inside the call: an interrupt raised after the op was closed must not leave it counted.
     void close() {
-        if (interruptible<true>(h.get(), [&] { return op.close([] {}); })) --h->live_objects;
+        interruptible<true>(h.get(), [&] {
+            if (op.close([] {})) --h->live_objects;
+        });
     }
 };
 
@@ -165,6 +168,9 @@ NB_MODULE(_weft, m) {
     m.attr("DTYPES") = dtypes;
     m.def("dtype_bytes", [](int code) { return dtype_bytes(as_dtype(code)); });
     m.def("cuda_available", [] { return cuda_available(); }, Release());
+    // weft.init / weft.finalize call it first, before their lock: from a signal handler inside a weft wait they are
+    // refused as every binding is (init would wait for the lock the interrupted init holds).
+    m.def("refuse_inside_signal_handler", [](const std::string& who) { refuse_inside_signal_handler(who.c_str()); });
 
     // ---- tensors ----
     nb::class_<TensorView>(m, "TensorView")

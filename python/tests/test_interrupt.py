@@ -166,6 +166,8 @@ def test_a_signal_handler_that_returns_runs_during_the_wait_which_goes_on():
 
 _CALLS_IN_HANDLER = """for name, fn in (("probe.call", probe.call),
                      ("store.check", lambda: _weft.StoreAdapter(DictStore()).check("k")),
+                     ("weft.finalize", weft.finalize),
+                     ("weft.init", weft.init),
                      ("probe.abort", probe.abort)):
         try:
             fn()
@@ -179,7 +181,8 @@ def test_a_signal_handler_inside_a_weft_call_may_only_abort():
     # exchange while the peers are in the first), except World.abort (ClosableProbe.abort is admitted as it is).
     lines = _run("_weft.StoreAdapter(CStore()).get('k', 60000)", signal_name="SIGUSR1", in_handler=_CALLS_IN_HANDLER)
     _ended_by(lines, "Preempted")
-    for name, who in (("probe.call", " (ClosableProbe)"), ("store.check", "")):
+    for name, who in (("probe.call", " (ClosableProbe)"), ("store.check", ""), ("weft.finalize", " (weft.finalize)"),
+                      ("weft.init", " (weft.init)")):
         line = next(line for line in lines if line.startswith(f"in handler: {name} "))
         assert line.startswith(f"in handler: {name} raised: weft: a signal handler that runs inside a weft call on "
                                f"this thread called weft{who}. "), line

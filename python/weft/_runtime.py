@@ -8,6 +8,7 @@ import threading
 
 from . import _weft
 from ._weft import Error
+from ._weft import refuse_inside_signal_handler as _refuse_inside_signal_handler
 
 
 class _State:
@@ -112,6 +113,7 @@ def init(group=None, *, device=None, heap_bytes=0, sm_budget=0, timeout_ms=0):
     In a process forked after weft.init, init raises weft.Error (the World is the parent's).
     """
     global _state
+    _refuse_inside_signal_handler("weft.init")
     device = _device_index(device)
     options = {"heap_bytes": heap_bytes, "sm_budget": sm_budget, "timeout_ms": timeout_ms}
     with _lock:
@@ -204,6 +206,7 @@ def finalize():
     atexit when weft is imported: it runs before the interpreter tears down torch.distributed's objects (the store the
     World's last barrier goes through). Call it yourself before torch.distributed.destroy_process_group()."""
     global _state
+    _refuse_inside_signal_handler("weft.finalize")
     with _lock:
         state, _state = _state, None
     if state is None:
