@@ -54,3 +54,5 @@ def test_check_attention_status_names_the_entry_and_passes_a_zero_record():
         weft.check_attention_status(torch.tensor([1, 2, 7, -1], dtype=torch.int32))
     with pytest.raises(TypeError, match="status: expected the int32 tensor of 4 elements"):
         weft.check_attention_status(torch.zeros(4, dtype=torch.int64))
+    with pytest.raises(ValueError, match="device: expected a CUDA device"):
+        weft.attention_status("cpu")

@@ -128,15 +128,19 @@ def attention_status(device=None):
     `status`: code (0: nothing found; 1: a block-table entry outside the cache), sequence, page (the entry's row and
     column of block_table) and value."""
     torch = torch_module()
-    index = None if device is None else torch.device(device).index
+    dev = None if device is None else torch.device(device)
+    if dev is not None and dev.type != "cuda":
+        raise ValueError(f"device: expected a CUDA device (the status lives beside q), got {dev}")
+    index = None if dev is None else dev.index
     if index is None:
         index = torch.cuda.current_device()
     return torch.zeros(4, dtype=torch.int32, device=torch.device("cuda", index))
 
 
 def check_attention_status(status):
-    """Raises weft.Error naming the bad block-table entry decode_attention recorded in `status`, if any (reads the
-    tensor: waits for the work queued before on its device). Zero it again (status.zero_()) before reusing it."""
+    """Raises weft.Error naming the bad block-table entry decode_attention recorded in `status`, if any. Reads the
+    tensor on torch's current stream: call it there after the decode call (or after synchronising the stream it ran
+    on). Zero it again (status.zero_()) before reusing it."""
     torch = torch_module()
     if not isinstance(status, torch.Tensor) or status.dtype != torch.int32 or status.numel() != 4:
         raise TypeError("status: expected the int32 tensor of 4 elements given to decode_attention")
