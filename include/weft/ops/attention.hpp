@@ -119,7 +119,8 @@ AttentionSplitPlan decode_attention_split_plan(int64_t batch, int64_t num_q_head
 /// the LL slot holds (CollectiveWorkspaceInfo::ll_slot_bytes, 512 KiB per rank by default: batch x q-heads x (head_dim
 /// + 2) x 8 bytes of LL lines per round); one sequence's rows must fit one round (at most 504 q-heads of head_dim 128,
 /// 254 of head_dim 256 by default), else weft::Error on every rank before any kernel is loaded or launched. The first
-/// call with a head_dim and dtype compiles and loads its kernels and meets every rank (host barrier) before launching:
+/// call with a head_dim and dtype compiles and loads its kernels (with and without the block-table check: ranks may
+/// differ in passing a status) and meets every rank (host barrier) before launching:
 /// make it outside a CUDA graph capture, then capture. options.status (each rank its own, or none): a block-table entry
 /// outside this rank's cache makes that sequence's out and lse NaN on every rank, and is recorded (its sequence index
 /// within the call) in the status of the rank whose table holds it only.
