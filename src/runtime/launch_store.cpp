@@ -240,6 +240,9 @@ std::unique_ptr<Store> make_launch_store(const LaunchEnv& env, uint64_t world_in
                 last_error = e.what();  // a closing store: try again
             }
             store.reset();
+            if (std::optional<std::string> why = wait_interrupted()) {  // the embedding's (Ctrl-C in Python)
+                WEFT_FAIL("waiting for this World's store stopped: " << *why << " (last: " << last_error << ")");
+            }
             WEFT_CHECK(Clock::now() < deadline, "no store of this World within " << timeout.count()
                                                                                  << " ms; last: " << last_error);
             std::this_thread::sleep_for(std::min<Clock::duration>(backoff, deadline - Clock::now()));

@@ -24,13 +24,16 @@ using std::chrono::milliseconds;
 
 namespace {
 
+/// wait_ready's answer when the deadline passed.
+constexpr const char* kTimedOut = "timed out";
+
 /// Waits until `fd` is ready for `events` or `deadline` passes. Returns an empty string when ready.
 std::string wait_ready(int fd, short events, Clock::time_point deadline) {
     while (true) {
         pollfd p{fd, events, 0};
         int n = ::poll(&p, 1, poll_timeout_ms(deadline));
         if (n > 0) return {};
-        if (n == 0) return "timed out";
+        if (n == 0) return kTimedOut;
         if (errno != EINTR) return "poll failed: " + errno_text(errno);
     }
 }
@@ -93,6 +96,21 @@ std::string error_text(const Message& m) { return std::string(m.value.begin(), m
 
 /// The longest wait of one connection attempt to one address (then the next address, or the next round).
 constexpr auto kConnectAttempt = std::chrono::seconds(5);
+/// How often the waits of connecting ask the embedding's wait check (wait_interrupted).
+constexpr auto kInterruptSlice = std::chrono::milliseconds(250);
+
+/// wait_ready in slices of kInterruptSlice, asking the embedding's wait check after each that ran out (Ctrl-C in
+/// Python ends it within one): its reason throws weft::Error naming `endpoint`. For the waits of connecting only:
+/// a request's reply is read whole or the connection is lost, so its waits are not cut short.
+std::string wait_ready_or_stop(int fd, short events, Clock::time_point deadline, const std::string& endpoint) {
+    while (true) {
+        std::string e = wait_ready(fd, events, std::min(deadline, Clock::now() + kInterruptSlice));
+        if (e != kTimedOut || Clock::now() >= deadline) return e;
+        if (std::optional<std::string> why = wait_interrupted()) {
+            WEFT_FAIL("rendezvous: connecting to the store at " << endpoint << " stopped: " << *why);
+        }
+    }
+}
 
 /// Connects to host:port, retrying refused or unreachable attempts until `deadline` (rank 0 may be late). Throws
 /// weft::Error naming the reason when the embedding's wait check (wait_interrupted) answers between two attempts.
@@ -119,7 +137,14 @@ UniqueFd connect_with_retry(const std::string& host, int port, Clock::time_point
             if (rc != 0 && errno == EINPROGRESS) {
                 // One attempt waits at most kConnectAttempt: an address whose packets are dropped (a firewalled IPv6
                 // address listed before the IPv4 one) must not take the whole deadline from the next address.
-                std::string e = wait_ready(fd.get(), POLLOUT, std::min(deadline, Clock::now() + kConnectAttempt));
+                std::string e;
+                try {
+                    e = wait_ready_or_stop(fd.get(), POLLOUT, std::min(deadline, Clock::now() + kConnectAttempt),
+                                           host + ":" + port_text);
+                } catch (...) {
+                    ::freeaddrinfo(list);
+                    throw;
+                }
                 if (!e.empty()) {
                     *last_error = describe_address(ai->ai_addr) + ": connect " + e;
                     continue;
@@ -214,6 +239,11 @@ public:
             std::string e = send_all(fd_.get(), hello, deadline);
             Message reply;
             bool malformed = false;
+            // The reply's first byte awaited in slices (rank 0 may be slow to answer); the rest follows it.
+            if (e.empty()) {
+                e = wait_ready_or_stop(fd_.get(), POLLIN, deadline, endpoint_);
+                if (!e.empty()) e = "reply " + e;
+            }
             if (e.empty()) e = recv_response(fd_.get(), limits_, deadline, &reply, &malformed);
             WEFT_CHECK(!malformed, "rendezvous: rank " << options.rank << " reached " << endpoint_
                                                        << ", which does not answer as a weft store of this version ("
@@ -232,6 +262,9 @@ public:
                                                                     << " could not complete HELLO with the store at "
                                                                     << endpoint_ << " within " << options.timeout.count()
                                                                     << " ms: " << last_error);
+            if (std::optional<std::string> why = wait_interrupted()) {
+                WEFT_FAIL("rendezvous: connecting to the store at " << endpoint_ << " stopped: " << *why);
+            }
             WEFT_LOG_DEBUG("rendezvous: rank " << options.rank << " retrying HELLO with " << endpoint_ << ": " << e);
             std::this_thread::sleep_for(std::min<Clock::duration>(backoff, deadline - Clock::now()));
             backoff = std::min(backoff * 2, milliseconds(500));

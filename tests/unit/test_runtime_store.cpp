@@ -1,7 +1,10 @@
 // SPDX-License-Identifier: MIT
 // Unit tests for the in-process store, Store's default barrier and all-gather (ranks as threads), prefix views, and
 // the embedding's wait check (set_wait_interrupt_check).
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -515,6 +518,36 @@ TEST(RuntimeWaitInterruptCheck, ACheckEndsTheConnectionRetriesToRankZerosStore) 
     const auto start = std::chrono::steady_clock::now();
     const std::string e = error_text_of([&] { connect_tcp_store(o); });
     EXPECT_NE(e.find("rendezvous: connecting to the store at @" + o.unix_socket + " stopped: the test stopped it"),
+              std::string::npos)
+        << e;
+    EXPECT_EQ(checks_made, kChecksBeforeStop);
+    EXPECT_LT(std::chrono::steady_clock::now() - start, 10s);
+}
+
+// A store that accepted the connection but does not answer HELLO (rank 0 stopped in a debugger): the wait for its
+// reply asks the check too.
+TEST(RuntimeWaitInterruptCheck, ACheckEndsTheWaitForAnAnswerToHello) {
+    const int listener = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    ASSERT_GE(listener, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t length = sizeof(addr);
+    ASSERT_EQ(::bind(listener, reinterpret_cast<const sockaddr*>(&addr), length), 0);
+    ASSERT_EQ(::listen(listener, 4), 0);  // never accepts: the kernel completes the connection, nobody answers
+    ASSERT_EQ(::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &length), 0);
+    ScopedCheck check;
+    RendezvousOptions o;
+    o.host = "127.0.0.1";
+    o.port = ntohs(addr.sin_port);
+    o.rank = 1;
+    o.num_ranks = 2;
+    o.timeout = 60000ms;
+    const auto start = std::chrono::steady_clock::now();
+    const std::string e = error_text_of([&] { connect_tcp_store(o); });
+    ::close(listener);
+    EXPECT_NE(e.find("rendezvous: connecting to the store at 127.0.0.1:" + std::to_string(o.port) +
+                     " stopped: the test stopped it"),
               std::string::npos)
         << e;
     EXPECT_EQ(checks_made, kChecksBeforeStop);
