@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "support/error_text.hpp"
 #include "weft/weft.hpp"
 
 namespace weft::test {
@@ -164,14 +165,7 @@ void check_alloc_free_cycles(World& w, int steps) {
 }
 
 namespace {
-std::string error_of(const std::function<void()>& fn) {
-    try {
-        fn();
-    } catch (const Error& e) {
-        return e.what();
-    }
-    return "";
-}
+using testing::error_of;
 }  // namespace
 
 void check_mismatch_errors(World& w) {

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "support/error_text.hpp"
 #include "support/jit_testing.hpp"
 #include "weft/common/collectives.hpp"
 #include "weft/detail/collectives.hpp"
@@ -28,14 +29,7 @@ namespace {
 constexpr uint64_t kKiB = 1024;
 constexpr uint64_t kMiB = 1024 * 1024;
 
-std::string error_of(const std::function<void()>& f) {
-    try {
-        f();
-    } catch (const Error& e) {
-        return e.what();
-    }
-    return "";
-}
+using testing::error_of;
 
 #define EXPECT_ERROR_MENTIONS(stmt, ...)                                               \
     do {                                                                               \

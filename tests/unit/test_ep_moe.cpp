@@ -11,6 +11,7 @@
 #include <string>
 #include <utility>
 
+#include "support/error_text.hpp"
 #include "support/jit_testing.hpp"
 #include "weft/common/ep_workspace.hpp"
 #include "weft/jit/compiler.hpp"
@@ -32,14 +33,7 @@ MoeConfig small_config() {
     return c;
 }
 
-std::string error_of(const std::function<void()>& f) {
-    try {
-        f();
-    } catch (const Error& e) {
-        return e.what();
-    }
-    return "";
-}
+using testing::error_of;
 
 TEST(EpMoePlan, RefusesBadConfigsNamingTheField) {
     MoeConfig c = small_config();

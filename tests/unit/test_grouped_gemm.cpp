@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "support/error_text.hpp"
 #include "support/nvrtc_testing.hpp"
 #include "support/sass_testing.hpp"
 #include "weft/common/gemm_config.hpp"
@@ -165,15 +166,7 @@ TensorView view(DType t, std::initializer_list<int64_t> dims) {
 }
 const int32_t* fake_counts() { return reinterpret_cast<const int32_t*>(uintptr_t{1} << 21); }
 
-template <class F>
-std::string error_of(F&& f) {
-    try {
-        f();
-    } catch (const Error& e) {
-        return e.what();
-    }
-    return "";
-}
+using testing::error_of;
 
 TEST(GroupedGemmPlan, ValidatesContiguousAndMaskedViews) {
     const auto a = view(DType::kBF16, {1000, 256});

@@ -27,6 +27,7 @@
 #include <thread>
 #include <vector>
 
+#include "support/error_text.hpp"
 #include "weft/detail/launch_store.hpp"
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/launch_env.hpp"
@@ -43,14 +44,7 @@ using std::chrono::milliseconds;
 
 bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 
-std::string error_of(const std::function<void()>& fn) {
-    try {
-        fn();
-    } catch (const std::exception& e) {
-        return e.what();
-    }
-    return "(no error)";
-}
+using testing::error_of;
 
 Bytes to_bytes(const std::string& s) { return Bytes(s.begin(), s.end()); }
 
@@ -127,9 +121,6 @@ std::vector<std::string> on_threads(int num_ranks, const std::function<void(int)
         threads.emplace_back([&, r] { errors[static_cast<size_t>(r)] = error_of([&] { fn(r); }); });
     }
     for (auto& t : threads) t.join();
-    for (auto& e : errors) {
-        if (e == "(no error)") e.clear();
-    }
     return errors;
 }
 

@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "support/error_text.hpp"
 #include "support/nvrtc_testing.hpp"
 #include "support/sass_testing.hpp"
 #include "weft/common/gemm_config.hpp"
@@ -156,15 +157,7 @@ TensorView view(DType t, std::initializer_list<int64_t> dims, int slot = 0) {
 }
 int32_t* fake_ints(int i) { return reinterpret_cast<int32_t*>(uintptr_t{1} << (22 + i)); }
 
-template <class F>
-std::string error_of(F&& f) {
-    try {
-        f();
-    } catch (const Error& e) {
-        return e.what();
-    }
-    return "";
-}
+using testing::error_of;
 
 TEST(MoeTpArgs, GatheredRows) {
     EXPECT_EQ(ops::moe_gathered_rows(100, 2, 8), 200);

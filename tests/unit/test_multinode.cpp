@@ -12,6 +12,7 @@
 #include <random>
 #include <tuple>
 
+#include "support/error_text.hpp"
 #include "weft/common/tp_schedule.hpp"
 #include "weft/detail/nccl_library.hpp"
 #include "weft/detail/node_topology.hpp"
@@ -30,14 +31,7 @@ using detail::node_labels;
 using detail::node_layout;
 using detail::resolve_virtual_nodes;
 
-std::string error_of(const std::function<void()>& fn) {
-    try {
-        fn();
-    } catch (const Error& e) {
-        return e.what();
-    }
-    return "";
-}
+using testing::error_of;
 
 TEST(MultiNodeTopology, ResolveVirtualNodes) {
     EXPECT_EQ(resolve_virtual_nodes(0, std::nullopt, 8), 1);

@@ -5,6 +5,7 @@
 #include <string>
 #include <utility>
 
+#include "support/error_text.hpp"
 #include "weft/common/diagnostics.hpp"
 #include "weft/detail/runtime_config.hpp"
 #include "weft/runtime/diagnostics.hpp"
@@ -17,14 +18,7 @@ namespace {
 using namespace std::chrono_literals;
 constexpr uint64_t kTwoMiB = 2ull << 20;
 
-std::string error_of(const std::function<void()>& fn) {
-    try {
-        fn();
-    } catch (const Error& e) {
-        return e.what();
-    }
-    return "";
-}
+using testing::error_of;
 
 TEST(RuntimeConfig, HeapBytesPrecedenceAndRounding) {
     EXPECT_EQ(resolve_heap_bytes(0, std::nullopt, kTwoMiB), 1ull << 30);                    // default

@@ -11,6 +11,7 @@
 #include <thread>
 #include <vector>
 
+#include "support/error_text.hpp"
 #include "weft/detail/runtime_placement.hpp"
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/in_process_store.hpp"
@@ -21,14 +22,7 @@ namespace {
 
 using namespace std::chrono_literals;
 
-std::string error_of(const std::function<void()>& fn) {
-    try {
-        fn();
-    } catch (const std::exception& e) {
-        return e.what();
-    }
-    return "(no error)";
-}
+using testing::error_of;
 
 bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 
@@ -89,7 +83,7 @@ TEST(RuntimePlacement, ExchangeThroughAPrefixOfAUserStore) {
     }
     for (auto& t : threads) t.join();
     for (int r = 0; r < n; ++r) {
-        EXPECT_EQ(errors[static_cast<size_t>(r)], "(no error)");
+        EXPECT_EQ(errors[static_cast<size_t>(r)], "");
         EXPECT_TRUE(placements[static_cast<size_t>(r)].same_process);
         EXPECT_EQ(placements[static_cast<size_t>(r)].local_rank, r);
         EXPECT_EQ(placements[static_cast<size_t>(r)].local_num_ranks, n);

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "../../src/runtime/runtime_internal.hpp"
+#include "support/error_text.hpp"
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/in_process_store.hpp"
 #include "weft/runtime/rendezvous.hpp"
@@ -27,6 +28,7 @@ namespace weft {
 namespace {
 
 using namespace std::chrono_literals;
+using testing::error_of;
 
 Bytes text_bytes(const std::string& s) { return Bytes(s.begin(), s.end()); }
 
@@ -399,14 +401,6 @@ TEST(RuntimePrefixStore, BarrierThroughAUserStoreNamesTheMissingRank) {
 
 TEST(RuntimePrefixStore, BadArgumentsAreNamed) {
     auto store = std::make_shared<InProcessStore>();
-    auto error_of = [](const std::function<void()>& fn) -> std::string {
-        try {
-            fn();
-        } catch (const Error& e) {
-            return e.what();
-        }
-        return "(no error)";
-    };
     EXPECT_NE(error_of([] { make_prefix_store(nullptr, "p"); }).find("store is null"), std::string::npos);
     EXPECT_NE(error_of([&] { make_prefix_store(store, ""); }).find("prefix must not be empty"), std::string::npos);
     EXPECT_NE(error_of([&] { make_prefix_store(store, "a b"); }).find("'a b'"), std::string::npos);
@@ -460,15 +454,6 @@ public:
     ScopedCheck& operator=(const ScopedCheck&) = delete;
 };
 
-std::string error_text_of(const std::function<void()>& fn) {
-    try {
-        fn();
-    } catch (const Error& e) {
-        return e.what();
-    }
-    return "(no error)";
-}
-
 // No check set (a C++ program): the start-up store of a World not yet made is the store itself, and its waits are
 // the store's own, one get with the whole timeout and the store's own timeout message.
 TEST(RuntimeWaitInterruptCheck, WithoutACheckTheStoreIsLeftAsItIs) {
@@ -477,7 +462,7 @@ TEST(RuntimeWaitInterruptCheck, WithoutACheckTheStoreIsLeftAsItIs) {
     auto store = std::make_shared<RecordingStore>();
     const std::shared_ptr<Store> view = detail::make_abortable_store(store, nullptr);
     EXPECT_EQ(view.get(), store.get());
-    const std::string e = error_text_of([&] { view->get("missing", 300ms); });
+    const std::string e = error_of([&] { view->get("missing", 300ms); });
     EXPECT_NE(e.find("'missing' was not set within 300 ms"), std::string::npos) << e;
     EXPECT_EQ(store->gets(), std::vector<std::chrono::milliseconds>{300ms});
 }
@@ -495,7 +480,7 @@ TEST(RuntimeWaitInterruptCheck, ACheckIsAskedAfterEachSliceThatRanOutAndItsReaso
     EXPECT_EQ(checks_made, 0) << "a get answered at once never asks the check";
 
     const auto start = std::chrono::steady_clock::now();
-    const std::string e = error_text_of([&] { view->get("missing", 60000ms); });
+    const std::string e = error_of([&] { view->get("missing", 60000ms); });
     const auto waited = std::chrono::steady_clock::now() - start;
     EXPECT_NE(e.find("store get('missing') stopped after "), std::string::npos) << e;
     EXPECT_NE(e.find(" ms: the test stopped it"), std::string::npos) << e;
@@ -516,7 +501,7 @@ TEST(RuntimeWaitInterruptCheck, ACheckEndsTheConnectionRetriesToRankZerosStore) 
     o.num_ranks = 2;
     o.timeout = 60000ms;
     const auto start = std::chrono::steady_clock::now();
-    const std::string e = error_text_of([&] { connect_tcp_store(o); });
+    const std::string e = error_of([&] { connect_tcp_store(o); });
     EXPECT_NE(e.find("rendezvous: connecting to the store at @" + o.unix_socket + " stopped: the test stopped it"),
               std::string::npos)
         << e;
@@ -544,7 +529,7 @@ TEST(RuntimeWaitInterruptCheck, ACheckEndsTheWaitForAnAnswerToHello) {
     o.num_ranks = 2;
     o.timeout = 60000ms;
     const auto start = std::chrono::steady_clock::now();
-    const std::string e = error_text_of([&] { connect_tcp_store(o); });
+    const std::string e = error_of([&] { connect_tcp_store(o); });
     ::close(listener);
     EXPECT_NE(e.find("rendezvous: connecting to the store at 127.0.0.1:" + std::to_string(o.port) +
                      " stopped: the test stopped it"),

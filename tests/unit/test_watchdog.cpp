@@ -15,6 +15,7 @@
 #include <thread>
 
 #include "../../src/runtime/runtime_internal.hpp"
+#include "support/error_text.hpp"
 #include "support/freezing_proxy.hpp"
 #include "weft/detail/runtime_placement.hpp"
 #include "weft/detail/watchdog.hpp"
@@ -29,14 +30,7 @@ using namespace std::chrono_literals;
 using detail::HeartbeatBook;
 using Clock = std::chrono::steady_clock;
 
-std::string error_of(const std::function<void()>& fn) {
-    try {
-        fn();
-    } catch (const std::exception& e) {
-        return e.what();
-    }
-    return "";
-}
+using testing::error_of;
 
 TEST(WatchdogSettings, OptionThenEnvironmentThenDefault) {
     EXPECT_EQ(detail::resolve_heartbeat(0ms, std::nullopt), 1000ms);
