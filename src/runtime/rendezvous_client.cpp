@@ -113,7 +113,8 @@ std::string wait_ready_or_stop(int fd, short events, Clock::time_point deadline,
 }
 
 /// Connects to host:port, retrying refused or unreachable attempts until `deadline` (rank 0 may be late). Throws
-/// weft::Error naming the reason when the embedding's wait check (wait_interrupted) answers between two attempts.
+/// weft::Error naming the reason when the embedding's wait check (wait_interrupted), asked between two attempts and
+/// every 250 ms of one, answers.
 UniqueFd connect_with_retry(const std::string& host, int port, Clock::time_point deadline, std::string* last_error) {
     auto backoff = std::chrono::milliseconds(10);
     std::string port_text = std::to_string(port);
