@@ -241,13 +241,17 @@ std::unique_ptr<Store> make_launch_store(const LaunchEnv& env, uint64_t world_in
             }
             store.reset();
             if (std::optional<std::string> why = wait_interrupted()) {  // the embedding's (Ctrl-C in Python)
-                WEFT_FAIL("waiting for this World's store stopped: " << *why << " (last: " << last_error << ")");
+                throw_wait_interrupted("World::from_env (" + describe(env, world_index, where) +
+                                           "): waiting for this World's store (last: " + last_error + ")",
+                                       *why);
             }
             WEFT_CHECK(Clock::now() < deadline, "no store of this World within " << timeout.count()
                                                                                  << " ms; last: " << last_error);
             std::this_thread::sleep_for(std::min<Clock::duration>(backoff, deadline - Clock::now()));
             backoff = std::min(backoff * 2, milliseconds(500));
         }
+    } catch (const WaitInterrupted&) {
+        throw;  // not a mismatch of the ranks' calls: the hint below does not apply
     } catch (const Error& e) {
         std::string what = e.what();
         if (what.rfind("weft: ", 0) == 0) what.erase(0, 6);

@@ -319,6 +319,16 @@ std::shared_ptr<Store> make_abortable_store(std::shared_ptr<Store> store, const 
 /// Whether an embedding's wait check is set (set_wait_interrupt_check).
 bool wait_interrupt_check_set();
 
+/// The weft::Error of a wait that the embedding's check ended (wait_interrupted): code that adds context to a wait's
+/// errors (a hint about their usual cause) lets it through as it is.
+class WaitInterrupted : public Error {
+public:
+    using Error::Error;
+};
+
+/// Throws WaitInterrupted: "weft: <what> stopped: <why>".
+[[noreturn]] void throw_wait_interrupted(const std::string& what, const std::string& why);
+
 /// A team's shared state: members, this rank's place, and its device tables.
 struct TeamState {
     WorldContext* world = nullptr;

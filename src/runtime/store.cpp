@@ -97,6 +97,10 @@ void set_wait_interrupt_check(WaitInterruptCheck check) { wait_interrupt_check.s
 
 bool detail::wait_interrupt_check_set() { return wait_interrupt_check.load(std::memory_order_relaxed) != nullptr; }
 
+void detail::throw_wait_interrupted(const std::string& what, const std::string& why) {
+    throw WaitInterrupted("weft: " + what + " stopped: " + why);
+}
+
 std::optional<std::string> wait_interrupted() {
     const WaitInterruptCheck check = wait_interrupt_check.load(std::memory_order_relaxed);
     return check != nullptr ? check() : std::nullopt;
