@@ -6,10 +6,12 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <exception>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <thread>
@@ -740,6 +742,29 @@ bool is_capture_error(cudaError_t e) {
             return false;
     }
 }
+/// cudaStreamSynchronize(stream) for an embedding whose interruptions end weft's host waits
+/// (set_wait_interrupt_check): the stream queried until it is done, yielding between queries (as the synchronisation
+/// spins by default), the check asked every 100 ms; its reason throws weft::Error (the stream's work goes on: the
+/// embedding aborts the World, which ends weft's device waits). Returns what the last query returned.
+cudaError_t synchronize_interruptibly(cudaStream_t stream, int rank) {
+    using Clock = std::chrono::steady_clock;
+    const Clock::time_point start = Clock::now();
+    Clock::time_point next_check = start + std::chrono::milliseconds(100);
+    while (true) {
+        const cudaError_t st = cudaStreamQuery(stream);
+        if (st != cudaErrorNotReady) return st;
+        const Clock::time_point now = Clock::now();
+        if (now >= next_check) {
+            if (std::optional<std::string> why = wait_interrupted()) {
+                WEFT_FAIL("rank " << rank << ": sync_and_check stopped after "
+                                  << std::chrono::duration_cast<std::chrono::milliseconds>(now - start).count()
+                                  << " ms with the stream's work still running: " << *why);
+            }
+            next_check = now + std::chrono::milliseconds(100);
+        }
+        std::this_thread::yield();
+    }
+}
 }  // namespace
 
 void World::sync_and_check(cudaStream_t stream) {
@@ -764,11 +789,13 @@ void World::sync_and_check(cudaStream_t stream) {
     }
     if (capture != cudaStreamCaptureStatusNone) refuse_under_capture(cudaErrorStreamCaptureUnsupported);
     cudaError_t st = cudaSuccess;
+    const bool interruptible = detail::wait_interrupt_check_set();
+    const std::string synchronized_by = interruptible ? "cudaStreamQuery" : "cudaStreamSynchronize";
     {
         // Another rank thread's capture in global mode (PyTorch's default) must neither fail this synchronisation nor
         // be invalidated by it.
         const RelaxedCaptureMode relaxed;
-        st = cudaStreamSynchronize(stream);
+        st = interruptible ? synchronize_interruptibly(stream, ctx_->rank) : cudaStreamSynchronize(stream);
     }
     if (is_capture_error(st)) refuse_under_capture(st);
     if (st != cudaSuccess) {
@@ -781,9 +808,9 @@ void World::sync_and_check(cudaStream_t stream) {
         }
         const std::string diagnosis = failure_message();
         if (!diagnosis.empty()) {
-            throw Error("weft: " + diagnosis + "; the kernel then trapped: cudaStreamSynchronize returned " + cuda);
+            throw Error("weft: " + diagnosis + "; the kernel then trapped: " + synchronized_by + " returned " + cuda);
         }
-        throw Error("weft: rank " + std::to_string(ctx_->rank) + ": cudaStreamSynchronize returned " + cuda +
+        throw Error("weft: rank " + std::to_string(ctx_->rank) + ": " + synchronized_by + " returned " + cuda +
                     (ctx_->same_process ? "; this rank wrote no diagnostic record (a kernel of another rank of "
                                           "this process may have trapped)"
                                         : "; no diagnostic record was written (not a weft spin timeout)"));

@@ -7,12 +7,15 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "collectives_test_kernels.hpp"
 #include "support/runtime_checks.hpp"
 #include "weft/weft.hpp"
 
@@ -81,6 +84,65 @@ TEST_F(RuntimeGpu, SyncAndCheckOfACapturingStreamIsAnErrorThatAbortsNothing) {
     ASSERT_EQ(errors.size(), 2u);
     EXPECT_NE(errors[0].find("being captured"), std::string::npos) << errors[0];
     EXPECT_EQ(errors[1], "");
+}
+
+std::atomic<int> sync_checks_asked{0};
+std::optional<std::string> stop_every_sync() noexcept {
+    ++sync_checks_asked;
+    return std::string("the test stopped it");
+}
+
+/// stop_every_sync as the process's wait check while it lives.
+struct ScopedStopEverySync {
+    ScopedStopEverySync() { set_wait_interrupt_check(&stop_every_sync); }
+    ~ScopedStopEverySync() { set_wait_interrupt_check(nullptr); }
+    ScopedStopEverySync(const ScopedStopEverySync&) = delete;
+    ScopedStopEverySync& operator=(const ScopedStopEverySync&) = delete;
+};
+
+// With an embedding's wait check set (the Python binding's: Ctrl-C), sync_and_check queries its stream and asks the
+// check every 100 ms: a stream done sooner returns without asking, a longer wait ends with the check's reason (the
+// stream's work still running, the World not aborted by the call); with no check the same call waits it out.
+TEST_F(RuntimeGpu, SyncAndCheckAsksTheEmbeddingsWaitCheck) {
+    run_ranks(1, [](World& w) {
+        cudaStream_t s = nullptr;
+        WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+        std::string quick, stopped;
+        int asked_quick = 0;
+        std::chrono::steady_clock::duration waited{};
+        bool still_running = false;
+        {
+            const ScopedStopEverySync check;
+            sync_checks_asked = 0;
+            test::launch_delay(s, 1'000'000);  // 1 ms
+            try {
+                w.sync_and_check(s);
+            } catch (const Error& e) {
+                quick = e.what();
+            }
+            asked_quick = sync_checks_asked.exchange(0);
+            test::launch_delay(s, 3'000'000'000);  // 3 s
+            const auto start = std::chrono::steady_clock::now();
+            try {
+                w.sync_and_check(s);
+            } catch (const Error& e) {
+                stopped = e.what();
+            }
+            waited = std::chrono::steady_clock::now() - start;
+            still_running = cudaStreamQuery(s) == cudaErrorNotReady;
+        }
+        w.sync_and_check(s);  // no check: waits for the rest of the 3 s
+        EXPECT_EQ(quick, "");
+        EXPECT_EQ(asked_quick, 0) << "a stream done within 100 ms";
+        EXPECT_NE(stopped.find("rank 0: sync_and_check stopped after "), std::string::npos) << stopped;
+        EXPECT_NE(stopped.find(" ms with the stream's work still running: the test stopped it"), std::string::npos)
+            << stopped;
+        EXPECT_EQ(sync_checks_asked, 1) << "the first check (at 100 ms) stops it";
+        EXPECT_LT(waited, std::chrono::milliseconds(1000));
+        EXPECT_TRUE(still_running);
+        EXPECT_FALSE(w.aborted());
+        WEFT_CUDA_CHECK(cudaStreamDestroy(s));
+    });
 }
 
 TEST_F(RuntimeGpu, WorldBindingAndBudget) {

@@ -78,8 +78,10 @@ std::shared_ptr<Store> make_prefix_store(std::shared_ptr<Store> store, const std
 /// For an embedding whose own interruptions must end weft's host waits (the Python binding: Ctrl-C, a signal
 /// handler that raised). While a check is set, a World's store waits (its start-up, barriers, heap and team
 /// agreements, its shutdown) ask it on the waiting thread each time a slice of at most 250 ms ran out without the key
-/// (a get answered at once never asks), and from_env's connection to rank 0's store asks it between its attempts (an
-/// attempt may take up to 5 s): a reason ends the wait with a weft::Error naming it, nullopt lets it go on. With no
+/// (a get answered at once never asks), from_env's connection to rank 0's store asks it every 250 ms, and
+/// World::sync_and_check queries its stream instead of blocking in cudaStreamSynchronize and asks it every 100 ms: a
+/// reason ends the wait with a weft::Error naming it (sync_and_check's leaves the stream's work running: abort the
+/// World to end weft's device waits), nullopt lets it go on. With no
 /// check set (the default) nothing asks, and from_env's and from_store's start-up waits are not sliced: each is one
 /// get of the store. Process-wide and one check only (the last set wins; no chaining): set it before making a World.
 /// The check runs on every thread that waits (it decides which ones it interrupts) and must not throw.
