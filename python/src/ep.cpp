@@ -145,8 +145,10 @@ void bind_ep(nb::module_& m) {
                 c.max_recv_rows = max_recv_rows;
                 c.expert_alignment = expert_alignment;
                 const WorldUse world = w.use();  // held until the buffer is counted: World.close() waits for it
+                // Its memory, streams and kernels on the World's GPU; outside the interruptible call, so a buffer
+                // made despite an interrupt is destroyed there too.
+                DeviceScope scope(world->device());
                 std::unique_ptr<ep::Buffer> buffer = interruptible(w.h.get(), [&] {
-                    DeviceScope scope(world->device());  // its memory, streams and kernels on the World's GPU
                     return team != nullptr ? std::make_unique<ep::Buffer>(team->get(&w.h), c)
                                            : std::make_unique<ep::Buffer>(*world, c);
                 });
@@ -164,8 +166,8 @@ void bind_ep(nb::module_& m) {
             "make_normal_handle",
             [](PyEpBuffer& b) {
                 const auto buffer = b.use();  // held until the handle is counted: close() waits for it
+                DeviceScope scope(b.s->device);  // outside the call: a handle made despite an interrupt dies there
                 std::unique_ptr<ep::NormalHandle> made = interruptible(b.h.get(), [&] {
-                    DeviceScope scope(b.s->device);
                     return std::make_unique<ep::NormalHandle>(buffer->make_normal_handle());
                 });
                 return new PyNormalHandle(b.h, b.s, std::move(made), "ep.NormalHandle");
@@ -175,8 +177,10 @@ void bind_ep(nb::module_& m) {
             "make_low_latency_handle",
             [](PyEpBuffer& b) {
                 const auto buffer = b.use();  // held until the handle is counted: close() waits for it
+                // It allocates and waits on the Buffer's own stream; outside the call, so a handle made despite an
+                // interrupt is destroyed on that device too.
+                DeviceScope scope(b.s->device);
                 std::unique_ptr<ep::LowLatencyHandle> made = interruptible(b.h.get(), [&] {
-                    DeviceScope scope(b.s->device);  // it allocates and waits on the Buffer's own stream
                     return std::make_unique<ep::LowLatencyHandle>(buffer->make_low_latency_handle());
                 });
                 return new PyLowLatencyHandle(b.h, b.s, std::move(made), "ep.LowLatencyHandle");

@@ -72,6 +72,22 @@ TensorView flat_view(uintptr_t ptr, int dtype, int64_t numel) {
     return TensorView(reinterpret_cast<void*>(ptr), as_dtype(dtype), {numel});
 }
 
+/// The team a collective call runs on: `team`'s (refused when it is another World's) or, for none, the World's own.
+const Team& team_of(PyWorld& w, const WorldUse& world, const PyTeam* team) {
+    return team != nullptr ? team->get(&w.h) : world->team();
+}
+
+/// A collective binding's body: the World in use (World.close() waits for it) and its GPU current, the algorithm
+/// code as the op's Options, then run(team, options).
+template <class Options, class Run>
+void run_collective(PyWorld& w, const PyTeam* team, int algo, Run&& run) {
+    const WorldUse world = w.use();
+    DeviceScope scope(world->device());
+    Options o;
+    o.algo = static_cast<decltype(o.algo)>(algo);
+    run(team_of(w, world, team), o);
+}
+
 std::vector<int64_t> dims(const std::array<int64_t, TensorView::kMaxDims>& values, int32_t ndim) {
     return std::vector<int64_t>(values.begin(), values.begin() + ndim);
 }
@@ -377,101 +393,66 @@ NB_MODULE(_weft, m) {
         });
 
     // ---- collectives (stream: a cudaStream_t as an integer) ----
+    // Each on the World's GPU (whatever the calling thread's) and on `team` (None: the World's own), in two forms:
+    // TensorViews, and contiguous buffers given as a data pointer and an element count (the Python wrappers' form: no
+    // TensorView object is made per call).
     m.def("all_reduce",
           interruptibly([](PyWorld& w, const TensorView& input, const TensorView& output, uintptr_t stream, int algo,
                            const PyTeam* team) {
-              const WorldUse world = w.use();
-              DeviceScope scope(world->device());  // the World's, whatever the thread's
-              ops::AllReduceOptions o;
-              o.algo = static_cast<ops::AllReduceAlgo>(algo);
-              if (team != nullptr) {
-                  ops::all_reduce(team->get(&w.h), input, output, as_stream(stream), o);
-              } else {
-                  ops::all_reduce(*world, input, output, as_stream(stream), o);
-              }
+              run_collective<ops::AllReduceOptions>(w, team, algo, [&](const Team& t, const auto& o) {
+                  ops::all_reduce(t, input, output, as_stream(stream), o);
+              });
           }),
           "world"_a, "input"_a, "output"_a, "stream"_a, "algo"_a = 0, "team"_a = nb::none());
     m.def("all_gather",
           interruptibly([](PyWorld& w, const TensorView& input, const TensorView& output, uintptr_t stream, int algo,
                            const PyTeam* team) {
-              const WorldUse world = w.use();
-              DeviceScope scope(world->device());  // the World's, whatever the thread's
-              ops::AllGatherOptions o;
-              o.algo = static_cast<ops::AllGatherAlgo>(algo);
-              if (team != nullptr) {
-                  ops::all_gather(team->get(&w.h), input, output, as_stream(stream), o);
-              } else {
-                  ops::all_gather(*world, input, output, as_stream(stream), o);
-              }
+              run_collective<ops::AllGatherOptions>(w, team, algo, [&](const Team& t, const auto& o) {
+                  ops::all_gather(t, input, output, as_stream(stream), o);
+              });
           }),
           "world"_a, "input"_a, "output"_a, "stream"_a, "algo"_a = 0, "team"_a = nb::none());
     m.def("reduce_scatter",
           interruptibly([](PyWorld& w, const TensorView& input, const TensorView& output, uintptr_t stream, int algo,
                            const PyTeam* team) {
-              const WorldUse world = w.use();
-              DeviceScope scope(world->device());  // the World's, whatever the thread's
-              ops::ReduceScatterOptions o;
-              o.algo = static_cast<ops::ReduceScatterAlgo>(algo);
-              if (team != nullptr) {
-                  ops::reduce_scatter(team->get(&w.h), input, output, as_stream(stream), o);
-              } else {
-                  ops::reduce_scatter(*world, input, output, as_stream(stream), o);
-              }
+              run_collective<ops::ReduceScatterOptions>(w, team, algo, [&](const Team& t, const auto& o) {
+                  ops::reduce_scatter(t, input, output, as_stream(stream), o);
+              });
           }),
           "world"_a, "input"_a, "output"_a, "stream"_a, "algo"_a = 0, "team"_a = nb::none());
-    // The same collectives on contiguous buffers given as a data pointer and an element count (the Python wrappers'
-    // form: no TensorView object is made per call).
     m.def(
         "count_refused_collective_call",
         [](PyWorld& w, const PyTeam* team) {
             const WorldUse world = w.use();
-            ops::count_refused_collective_call(team != nullptr ? team->get(&w.h) : world->team());
+            ops::count_refused_collective_call(team_of(w, world, team));
         },
         "world"_a, "team"_a = nb::none());
     m.def("all_reduce_flat",
           interruptibly([](PyWorld& w, uintptr_t input, uintptr_t output, int64_t numel, int dtype, uintptr_t stream,
                            int algo, const PyTeam* team) {
-              const WorldUse world = w.use();
-              DeviceScope scope(world->device());
-              ops::AllReduceOptions o;
-              o.algo = static_cast<ops::AllReduceAlgo>(algo);
-              const TensorView in = flat_view(input, dtype, numel), out = flat_view(output, dtype, numel);
-              if (team != nullptr) {
-                  ops::all_reduce(team->get(&w.h), in, out, as_stream(stream), o);
-              } else {
-                  ops::all_reduce(*world, in, out, as_stream(stream), o);
-              }
+              run_collective<ops::AllReduceOptions>(w, team, algo, [&](const Team& t, const auto& o) {
+                  ops::all_reduce(t, flat_view(input, dtype, numel), flat_view(output, dtype, numel),
+                                  as_stream(stream), o);
+              });
           }),
           "world"_a, "input"_a, "output"_a, "numel"_a, "dtype"_a, "stream"_a, "algo"_a = 0, "team"_a = nb::none());
     m.def("all_gather_flat",
           interruptibly([](PyWorld& w, uintptr_t input, int64_t input_numel, uintptr_t output, int64_t output_numel,
                            int dtype, uintptr_t stream, int algo, const PyTeam* team) {
-              const WorldUse world = w.use();
-              DeviceScope scope(world->device());
-              ops::AllGatherOptions o;
-              o.algo = static_cast<ops::AllGatherAlgo>(algo);
-              const TensorView in = flat_view(input, dtype, input_numel), out = flat_view(output, dtype, output_numel);
-              if (team != nullptr) {
-                  ops::all_gather(team->get(&w.h), in, out, as_stream(stream), o);
-              } else {
-                  ops::all_gather(*world, in, out, as_stream(stream), o);
-              }
+              run_collective<ops::AllGatherOptions>(w, team, algo, [&](const Team& t, const auto& o) {
+                  ops::all_gather(t, flat_view(input, dtype, input_numel), flat_view(output, dtype, output_numel),
+                                  as_stream(stream), o);
+              });
           }),
           "world"_a, "input"_a, "input_numel"_a, "output"_a, "output_numel"_a, "dtype"_a, "stream"_a, "algo"_a = 0,
           "team"_a = nb::none());
     m.def("reduce_scatter_flat",
           interruptibly([](PyWorld& w, uintptr_t input, int64_t input_numel, uintptr_t output, int64_t output_numel,
                            int dtype, uintptr_t stream, int algo, const PyTeam* team) {
-              const WorldUse world = w.use();
-              DeviceScope scope(world->device());
-              ops::ReduceScatterOptions o;
-              o.algo = static_cast<ops::ReduceScatterAlgo>(algo);
-              const TensorView in = flat_view(input, dtype, input_numel), out = flat_view(output, dtype, output_numel);
-              if (team != nullptr) {
-                  ops::reduce_scatter(team->get(&w.h), in, out, as_stream(stream), o);
-              } else {
-                  ops::reduce_scatter(*world, in, out, as_stream(stream), o);
-              }
+              run_collective<ops::ReduceScatterOptions>(w, team, algo, [&](const Team& t, const auto& o) {
+                  ops::reduce_scatter(t, flat_view(input, dtype, input_numel),
+                                      flat_view(output, dtype, output_numel), as_stream(stream), o);
+              });
           }),
           "world"_a, "input"_a, "input_numel"_a, "output"_a, "output_numel"_a, "dtype"_a, "stream"_a, "algo"_a = 0,
           "team"_a = nb::none());
@@ -545,6 +526,26 @@ NB_MODULE(_weft, m) {
         },
         "q"_a, "k_cache"_a, "v_cache"_a, "block_table"_a, "seq_lens"_a, "max_seq_len"_a, "out"_a, "lse"_a.none(),
         "device"_a, "stream"_a, "scale"_a.none(), "num_splits"_a, "workspace"_a.none(), "status"_a.none(), Release());
+    // Sequence-parallel decode: a collective of the World (or a team), so it waits like one (interruptibly).
+    m.def("sp_decode_attention",
+          interruptibly([](PyWorld& w, const TensorView& q, const TensorView& k_cache, const TensorView& v_cache,
+                           const TensorView& block_table, const TensorView& seq_lens, int64_t max_seq_len,
+                           const TensorView& out, const std::optional<TensorView>& lse, uintptr_t stream,
+                           std::optional<float> scale, int num_splits, const std::optional<TensorView>& workspace,
+                           const std::optional<TensorView>& status, const PyTeam* team) {
+              const WorldUse world = w.use();
+              DeviceScope scope(world->device());
+              ops::DecodeAttentionOptions o;
+              o.scale = scale;
+              o.num_splits = num_splits;
+              if (workspace) o.workspace = *workspace;
+              if (status) o.status = static_cast<ops::AttentionStatus*>(status->data);
+              ops::sp_decode_attention(team_of(w, world, team), q, k_cache, v_cache, block_table, seq_lens,
+                                       max_seq_len, out, lse ? *lse : TensorView(), as_stream(stream), o);
+          }),
+          "world"_a, "q"_a, "k_cache"_a, "v_cache"_a, "block_table"_a, "seq_lens"_a, "max_seq_len"_a, "out"_a,
+          "lse"_a.none(), "stream"_a, "scale"_a.none(), "num_splits"_a, "workspace"_a.none(), "status"_a.none(),
+          "team"_a = nb::none());
     m.def(
         "describe_attention_status",
         [](int32_t code, int32_t sequence, int32_t page, int32_t value) {

@@ -42,9 +42,18 @@ def test_decode_attention_refuses_bad_arguments_before_the_extension(calls):
     assert calls == []
 
 
+def test_sp_decode_attention_needs_a_world(calls):
+    if weft.is_initialized():
+        pytest.skip("a World made by an earlier test of this process is still live")
+    q = torch.zeros((2, 4, 64), dtype=torch.bfloat16)
+    with pytest.raises(weft.Error, match=r"weft is not initialised: call weft.init\(\) first"):
+        weft.sp_decode_attention(q, q, q, q, q)
+    assert calls == []
+
+
 def test_the_attention_ops_are_exported():
-    for name in ("flash_attention", "decode_attention", "decode_attention_workspace_bytes", "attention_status",
-                 "check_attention_status"):
+    for name in ("flash_attention", "decode_attention", "decode_attention_workspace_bytes", "sp_decode_attention",
+                 "attention_status", "check_attention_status"):
         assert name in weft.__all__ and callable(getattr(weft, name))
 
 

@@ -327,3 +327,15 @@ def test_gemm_ar_calls_its_wrapper_refuses_keep_their_place_in_the_teams_calls(c
     finally:
         op._op = None  # the stand-in needs no collective close
         _runtime._unregister(op)
+
+
+def test_sp_decode_attention_counts_the_calls_it_refuses(calls, monkeypatch):
+    # A collective: each argument error is counted in the team's sequence of collective calls before it is raised.
+    monkeypatch.setattr(_weft, "sp_decode_attention", lambda *args: calls.append(("sp_decode_attention", args)))
+    q = torch.zeros((2, 4, 64), dtype=torch.bfloat16)  # on the stand-in World's device (the CPU)
+    with pytest.raises(TypeError, match="q: expected a torch.Tensor, got list"):
+        weft.sp_decode_attention([0.0], q, q, q, q)
+    with pytest.raises(ValueError, match="q: expected a CUDA tensor, got one on cpu"):
+        weft.sp_decode_attention(q, q, q, q, q)
+    world = _runtime._state.world
+    assert calls == [("count_refused_collective_call", (world, None))] * 2

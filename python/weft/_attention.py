@@ -1,9 +1,13 @@
 # SPDX-License-Identifier: MIT
-"""weft's attention ops on torch tensors. Local ops: they run on the GPU their tensors are on and need no weft.init;
-each call is enqueued on torch's current CUDA stream of that device (asynchronous, graph-capturable; the first
-flash_attention call on a device waits once on the host for weft's work counters to be zeroed)."""
+"""weft's attention ops on torch tensors. flash_attention and decode_attention are local ops: they run on the GPU their
+tensors are on and need no weft.init; each call is enqueued on torch's current CUDA stream of that device
+(asynchronous, graph-capturable; the first flash_attention call on a device waits once on the host for weft's work
+counters to be zeroed). sp_decode_attention is a collective of the World (weft.init first)."""
+import operator
+
 from . import _tensor, _weft
 from ._weft import Error
+from ._ops import _context, _refused
 from ._tensor import dtype_code, torch_module
 
 
@@ -71,27 +75,24 @@ def flash_attention(q, k, v, out=None, *, causal=False, scale=None, q_position=0
     return (out, lse) if return_lse else out
 
 
-def decode_attention(q, k_cache, v_cache, block_table, seq_lens, out=None, *, max_seq_len=None, scale=None,
-                     num_splits=0, return_lse=False, workspace=None, status=None):
-    """Decode attention against a paged KV cache on one GPU (flash-decoding: KV splits across SMs, then a combine):
-    one query token per sequence, out[b, h] = softmax(scale * q[b, h] k^T) v over the first seq_lens[b] tokens of
-    sequence b, token j in slot j % page_size of page block_table[b, j // page_size].
+def _number(value, name, kind, none=False):
+    """`value` as `kind` (int: an integer, numpy's and torch's included; float: a real number), or None where `none`
+    allows it; else TypeError naming the argument."""
+    if value is None and none:
+        return None
+    try:
+        if isinstance(value, (bool, str, bytes)):
+            raise TypeError
+        return operator.index(value) if kind is int else float(value)
+    except TypeError:
+        what = "an integer" if kind is int else "a number"
+        raise TypeError(f"{name}: expected {what}{' or None' if none else ''}, got {type(value).__name__}") from None
 
-    q: [batch, num_q_heads, head_dim] bf16 or f16; k_cache, v_cache: q's dtype, [num_pages, page_size, num_kv_heads,
-    head_dim] (a [pages, heads, slots, dim] cache as a strided view: .transpose(1, 2)), same shape and strides;
-    block_table: int32 [batch, max_pages_per_seq]; seq_lens: int32 [batch]. head_dim 64, 128 or 256; num_q_heads a
-    multiple of num_kv_heads (at most 16 per KV head). max_seq_len: a bound of seq_lens that sizes the split plan
-    (default: max_pages_per_seq x page_size; a tighter one saves work). scale: default 1 / sqrt(head_dim).
-    num_splits: KV splits per (sequence, KV head), 0 chooses. workspace: device scratch (u8, contiguous) of at least
-    decode_attention_workspace_bytes(...) bytes (a 1-D uint8 tensor); without it weft keeps one per device and stream
-    for the process's life (a program that makes a stream per call should pass one), grown by uncaptured calls, so capturing on a stream with no earlier uncaptured call of this size (torch.cuda.graph
-    captures on a side stream of its own) needs one. Calls on one stream come from one thread at a time.
-    status: None (the block-table entries are trusted: one outside [0, num_pages) is an out-of-bounds read), or an int32
-    tensor of 4 elements on q's device, zeroed (weft.attention_status() makes one): the entries are checked (a second
-    kernel build, a few percent slower), a sequence holding one outside the cache gets NaN out and lse, and the first
-    found is recorded there; weft.check_attention_status(status) raises weft.Error naming it. Returns out (allocated
-    when None), or (out, lse) when return_lse (f32 [batch, num_q_heads], natural log; -inf for an empty sequence, whose
-    output is zeros)."""
+
+def _decode_args(q, k_cache, v_cache, block_table, seq_lens, out, max_seq_len, return_lse, workspace, status):
+    """decode_attention's arguments checked, as (the views q, k_cache, v_cache, block_table, seq_lens, max_seq_len,
+    out, lse, workspace, status in the extension's order; out; lse or None). Raises TypeError / ValueError naming
+    the argument."""
     torch = torch_module()
     halves = (torch.bfloat16, torch.float16)
     _check(q, "q", 3, halves)
@@ -114,11 +115,68 @@ def decode_attention(q, k_cache, v_cache, block_table, seq_lens, out=None, *, ma
             raise ValueError(f"status: expected an int32 tensor of 4 contiguous elements (weft.attention_status()), "
                              f"got shape {tuple(status.shape)} with strides {tuple(status.stride())}")
         st = _view(status, "status")
+    views = (_view(q, "q"), _view(k_cache, "k_cache"), _view(v_cache, "v_cache"), _view(block_table, "block_table"),
+             _view(seq_lens, "seq_lens"), int(max_seq_len), _view(out, "out"),
+             _view(lse, "lse") if lse is not None else None, ws, st)
+    return views, out, lse
+
+
+def decode_attention(q, k_cache, v_cache, block_table, seq_lens, out=None, *, max_seq_len=None, scale=None,
+                     num_splits=0, return_lse=False, workspace=None, status=None):
+    """Decode attention against a paged KV cache on one GPU (flash-decoding: KV splits across SMs, then a combine):
+    one query token per sequence, out[b, h] = softmax(scale * q[b, h] k^T) v over the first seq_lens[b] tokens of
+    sequence b, token j in slot j % page_size of page block_table[b, j // page_size].
+
+    q: [batch, num_q_heads, head_dim] bf16 or f16; k_cache, v_cache: q's dtype, [num_pages, page_size, num_kv_heads,
+    head_dim] (a [pages, heads, slots, dim] cache as a strided view: .transpose(1, 2)), same shape and strides;
+    block_table: int32 [batch, max_pages_per_seq]; seq_lens: int32 [batch]. head_dim 64, 128 or 256; num_q_heads a
+    multiple of num_kv_heads (at most 16 per KV head). max_seq_len: a bound of seq_lens that sizes the split plan
+    (default: max_pages_per_seq x page_size; a tighter one saves work). scale: default 1 / sqrt(head_dim).
+    num_splits: KV splits per (sequence, KV head), 0 chooses. workspace: device scratch (u8, contiguous) of at least
+    decode_attention_workspace_bytes(...) bytes (a 1-D uint8 tensor); without it weft keeps one per device and stream
+    for the process's life (a program that makes a stream per call should pass one), grown by uncaptured calls, so
+    capturing on a stream with no earlier uncaptured call of this size (torch.cuda.graph captures on a side stream of
+    its own) needs one. Calls on one stream come from one thread at a time.
+    status: None (the block-table entries are trusted: one outside [0, num_pages) is an out-of-bounds read), or an int32
+    tensor of 4 elements on q's device, zeroed (weft.attention_status() makes one): the entries are checked (a second
+    kernel build, a few percent slower), a sequence holding one outside the cache gets NaN out and lse, and the first
+    found is recorded there; weft.check_attention_status(status) raises weft.Error naming it. Returns out (allocated
+    when None), or (out, lse) when return_lse (f32 [batch, num_q_heads], natural log; -inf for an empty sequence, whose
+    output is zeros)."""
+    args, out, lse = _decode_args(q, k_cache, v_cache, block_table, seq_lens, out, max_seq_len, return_lse,
+                                  workspace, status)
     device = q.device.index
-    _weft.decode_attention(_view(q, "q"), _view(k_cache, "k_cache"), _view(v_cache, "v_cache"),
-                           _view(block_table, "block_table"), _view(seq_lens, "seq_lens"), int(max_seq_len),
-                           _view(out, "out"), _view(lse, "lse") if lse is not None else None, device,
-                           _tensor._raw_stream(device), scale, int(num_splits), ws, st)
+    _weft.decode_attention(*args[:8], device, _tensor._raw_stream(device), scale, int(num_splits), *args[8:])
+    _tensor.written(out)
+    return (out, lse) if return_lse else out
+
+
+def sp_decode_attention(q, k_cache, v_cache, block_table, seq_lens, out=None, *, max_seq_len=None, scale=None,
+                        num_splits=0, return_lse=False, workspace=None, status=None, team=None):
+    """Sequence-parallel decode attention: a collective over `team` (a weft.Team; None: the World; one node). Every
+    rank holds a shard of every sequence's KV cache (its own pages, block_table and seq_lens: the tokens of a sequence
+    may be split across the ranks in any way) and the same q; every rank gets in out (and lse) the attention over the
+    whole sequence, as decode_attention would give over the shards' tokens together. Arguments as for
+    decode_attention, per rank, on this rank's GPU: q, out and the head counts the same on every rank; each rank's
+    cache, page size, layout, max_seq_len, num_splits and workspace its own. Every rank calls it in the same order as
+    its other collectives with the same batch, q-heads, head_dim and dtype (a rank whose call differs is a mismatch
+    that World.sync_and_check raises on the ranks that saw it, naming both calls). status (each rank its own, or
+    None): a block-table entry outside this rank's cache makes its sequence's out and lse NaN on every rank and is
+    recorded (the sequence's index) in the status of the rank whose table holds it. The first call with a head_dim and
+    dtype compiles its kernels and meets every rank: make it before capturing a CUDA graph; and capture with a
+    `workspace` (as for decode_attention: torch.cuda.graph captures on a stream of its own). On torch's current
+    stream. Returns out (allocated when None), or (out, lse) when return_lse."""
+    ctx, cpp_team = _context(team, "sp_decode_attention")
+    try:
+        _tensor.check_tensor(q, "q", ctx)
+        args, out, lse = _decode_args(q, k_cache, v_cache, block_table, seq_lens, out, max_seq_len, return_lse,
+                                      workspace, status)
+        scale, num_splits = _number(scale, "scale", float, none=True), _number(num_splits, "num_splits", int)
+    except (TypeError, ValueError):
+        _refused(ctx, cpp_team)
+        raise
+    _weft.sp_decode_attention(ctx.world, *args[:8], ctx.stream(ctx.device_index), scale, num_splits, *args[8:],
+                              cpp_team)
     _tensor.written(out)
     return (out, lse) if return_lse else out
 

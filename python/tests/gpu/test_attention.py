@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: MIT
-# weft.flash_attention and weft.decode_attention on torch tensors against fp32 references computed with torch
-# (softmax over masked scores), outputs poisoned with NaN first. Local ops: each rank checks its own GPU.
+# weft.flash_attention, weft.decode_attention and weft.sp_decode_attention on torch tensors against fp32 references
+# computed with torch (softmax over masked scores), outputs poisoned with NaN first. The local ops: each rank checks
+# its own GPU; sp_decode_attention: every rank holds a shard of each sequence and checks the whole sequence's result.
 import math
 
 import pytest
@@ -180,3 +181,87 @@ def test_attention_argument_errors_name_the_argument(rank):
         weft.flash_attention(q, q[:, :3], q[:, :3])  # 4 q-heads over 3 KV heads
     with pytest.raises(weft.Error, match="head_dim"):
         weft.flash_attention(q[..., :32], q[..., :32], q[..., :32])
+
+
+def _sharded(k, v, lengths, rank, num_ranks, page, seed):
+    """This rank's shard of every sequence (k, v [batch, L, Hkv, D], sequence b of lengths[b] tokens, cut at points
+    drawn from `seed`, the same on every rank; sequence 0's tokens all on the last rank) as a paged cache: (k_cache,
+    v_cache, block_table, seq_lens)."""
+    gen = torch.Generator().manual_seed(seed)
+    shards = []
+    for b, n in enumerate(lengths):
+        if b == 0:
+            cuts = [0] * num_ranks + [n]
+        else:
+            cuts = [0] + sorted(torch.randint(0, n + 1, (num_ranks - 1,), generator=gen).tolist()) + [n]
+        shards.append((cuts[rank], cuts[rank + 1]))
+    longest = max(1, max(end - begin for begin, end in shards))
+    hkv, d = k.shape[2], k.shape[3]
+    ks = torch.zeros((len(lengths), longest, hkv, d), dtype=k.dtype, device="cuda")
+    vs = torch.zeros_like(ks)
+    for b, (begin, end) in enumerate(shards):
+        ks[b, :end - begin] = k[b, begin:end]
+        vs[b, :end - begin] = v[b, begin:end]
+    kc, vc, table = _paged(ks, vs, page, torch.Generator().manual_seed(seed + 1 + rank))
+    lens = torch.tensor([end - begin for begin, end in shards], dtype=torch.int32, device="cuda")
+    return kc, vc, table, lens
+
+
+def test_sp_decode_attention_matches_the_whole_sequence(rank, num_ranks):
+    lengths = [900, 1000, 0, 45]  # sequence 0 on the last rank only; sequence 2 empty everywhere
+    batch, hq, hkv, d = len(lengths), 8, 2, 128
+    q = _randn((batch, hq, d), torch.bfloat16, 60)  # the same on every rank
+    k = _randn((batch, max(lengths), hkv, d), torch.bfloat16, 61)
+    v = _randn((batch, max(lengths), hkv, d), torch.bfloat16, 62)
+    kc, vc, table, lens = _sharded(k, v, lengths, rank, num_ranks, 16, 63)
+    out = torch.full_like(q, float("nan"))
+    got, lse = weft.sp_decode_attention(q, kc, vc, table, lens, out, return_lse=True)
+    torch.cuda.synchronize()
+    assert got is out
+    for b, n in enumerate(lengths):
+        if n == 0:
+            assert torch.equal(got[b], torch.zeros_like(got[b])) and torch.isneginf(lse[b]).all()
+            continue
+        want, want_lse = _reference(q[b:b + 1], k[b, :n], v[b, :n], False, 1 / math.sqrt(d), 0)
+        assert rel_error(got[b], want[0]) < TOL[torch.bfloat16], f"sequence {b}"
+        assert torch.allclose(lse[b], want_lse[0], atol=2e-2, rtol=1e-3), f"sequence {b}"
+    # Captured after the first call (which compiled the kernels and met every rank), with a workspace for this rank's
+    # split plan (torch.cuda.graph captures on a stream of its own), replayed twice.
+    max_len = table.shape[1] * kc.shape[1]
+    ws = torch.empty(max(16, weft.decode_attention_workspace_bytes(batch, hq, hkv, d, max_len)), dtype=torch.uint8,
+                     device="cuda")
+    graph_out = torch.full_like(q, float("nan"))
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        weft.sp_decode_attention(q, kc, vc, table, lens, graph_out, workspace=ws)
+    for _ in range(2):
+        graph_out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(graph_out, got)
+
+
+def test_sp_decode_attention_status_and_refused_arguments(rank, num_ranks):
+    lengths = [300, 500]
+    q = _randn((2, 4, 64), torch.float16, 70)
+    k, v = _randn((2, 500, 1, 64), torch.float16, 71), _randn((2, 500, 1, 64), torch.float16, 72)
+    kc, vc, table, lens = _sharded(k, v, lengths, rank, num_ranks, 16, 73)
+    # Refused by the wrapper on every rank (counted as a collective call there), then a good call still pairs up.
+    with pytest.raises(TypeError, match="k_cache: expected dtype float16"):
+        weft.sp_decode_attention(q, kc.bfloat16(), vc, table, lens)
+    want = weft.sp_decode_attention(q, kc, vc, table, lens)
+    status = weft.attention_status()
+    bad = table.clone()
+    last = num_ranks - 1  # holds all of sequence 0 (300 tokens: pages 0..18)
+    if rank == last:
+        bad[0, 5] = -7
+    got = weft.sp_decode_attention(q, kc, vc, bad, lens, status=status)
+    torch.cuda.synchronize()
+    assert torch.isnan(got[0]).all(), "a bad entry on one rank poisons its sequence on every rank"
+    assert torch.equal(got[1], want[1])
+    if rank == last:
+        assert status.tolist() == [1, 0, 5, -7]
+        with pytest.raises(weft.Error, match=r"block_table\[0\]\[5\] = -7 is outside the cache's pages"):
+            weft.check_attention_status(status)
+    else:
+        assert status.tolist() == [0, 0, 0, 0]
