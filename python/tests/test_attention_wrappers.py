@@ -42,6 +42,19 @@ def test_decode_attention_refuses_bad_arguments_before_the_extension(calls):
     assert calls == []
 
 
+def test_scalar_arguments_are_refused_naming_them_before_the_extension(calls):
+    q = torch.zeros((2, 4, 64), dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="scale: expected a number or None, got str"):
+        weft.flash_attention(q, q, q, scale="0.1")
+    with pytest.raises(TypeError, match="q_position: expected an integer, got float"):
+        weft.flash_attention(q, q, q, q_position=1.5)
+    with pytest.raises(TypeError, match="num_splits: expected an integer, got str"):
+        weft.decode_attention(q, q, q, q, q, num_splits="4")
+    with pytest.raises(TypeError, match="scale: expected a number or None, got list"):
+        weft.decode_attention(q, q, q, q, q, scale=[1.0])
+    assert calls == []
+
+
 def test_sp_decode_attention_needs_a_world(calls):
     if weft.is_initialized():
         pytest.skip("a World made by an earlier test of this process is still live")

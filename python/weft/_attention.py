@@ -60,6 +60,7 @@ def flash_attention(q, k, v, out=None, *, causal=False, scale=None, q_position=0
     out: q's dtype and shape, contiguous; allocated when None. Returns out, or (out, lse) when return_lse, lse the
     per-row log-sum-exp (natural log) as f32 [seq_q, num_q_heads]. Bad arguments raise TypeError / ValueError, or
     weft.Error from the op naming what it expected."""
+    scale, q_position = _number(scale, "scale", float, none=True), _number(q_position, "q_position", int)
     torch = torch_module()
     halves = (torch.bfloat16, torch.float16)
     _check(q, "q", 3, halves)
@@ -70,7 +71,7 @@ def flash_attention(q, k, v, out=None, *, causal=False, scale=None, q_position=0
     device = q.device.index
     _weft.flash_attention(_view(q, "q"), _view(k, "k"), _view(v, "v"), _view(out, "out"),
                           _view(lse, "lse") if lse is not None else None, device, _tensor._raw_stream(device),
-                          bool(causal), scale, int(q_position))
+                          bool(causal), scale, q_position)
     _tensor.written(out)
     return (out, lse) if return_lse else out
 
@@ -143,10 +144,11 @@ def decode_attention(q, k_cache, v_cache, block_table, seq_lens, out=None, *, ma
     found is recorded there; weft.check_attention_status(status) raises weft.Error naming it. Returns out (allocated
     when None), or (out, lse) when return_lse (f32 [batch, num_q_heads], natural log; -inf for an empty sequence, whose
     output is zeros)."""
+    scale, num_splits = _number(scale, "scale", float, none=True), _number(num_splits, "num_splits", int)
     args, out, lse = _decode_args(q, k_cache, v_cache, block_table, seq_lens, out, max_seq_len, return_lse,
                                   workspace, status)
     device = q.device.index
-    _weft.decode_attention(*args[:8], device, _tensor._raw_stream(device), scale, int(num_splits), *args[8:])
+    _weft.decode_attention(*args[:8], device, _tensor._raw_stream(device), scale, num_splits, *args[8:])
     _tensor.written(out)
     return (out, lse) if return_lse else out
 
@@ -169,9 +171,9 @@ def sp_decode_attention(q, k_cache, v_cache, block_table, seq_lens, out=None, *,
     ctx, cpp_team = _context(team, "sp_decode_attention")
     try:
         _tensor.check_tensor(q, "q", ctx)
+        scale, num_splits = _number(scale, "scale", float, none=True), _number(num_splits, "num_splits", int)
         args, out, lse = _decode_args(q, k_cache, v_cache, block_table, seq_lens, out, max_seq_len, return_lse,
                                       workspace, status)
-        scale, num_splits = _number(scale, "scale", float, none=True), _number(num_splits, "num_splits", int)
     except (TypeError, ValueError):
         _refused(ctx, cpp_team)
         raise
