@@ -52,6 +52,11 @@ def test_scalar_arguments_are_refused_naming_them_before_the_extension(calls):
         weft.decode_attention(q, q, q, q, q, num_splits="4")
     with pytest.raises(TypeError, match="scale: expected a number or None, got list"):
         weft.decode_attention(q, q, q, q, q, scale=[1.0])
+    with pytest.raises(ValueError,
+                       match=r"num_splits: expected an integer in \[-2147483648, 2147483647\], got 4294967296"):
+        weft.decode_attention(q, q, q, q, q, num_splits=1 << 32)
+    with pytest.raises(ValueError, match="scale: .* is out of a float's range"):
+        weft.flash_attention(q, q, q, scale=10 ** 400)
     assert calls == []
 
 

@@ -76,18 +76,28 @@ def flash_attention(q, k, v, out=None, *, causal=False, scale=None, q_position=0
     return (out, lse) if return_lse else out
 
 
-def _number(value, name, kind, none=False):
-    """`value` as `kind` (int: an integer, numpy's and torch's included; float: a real number), or None where `none`
-    allows it; else TypeError naming the argument."""
+_INT32 = (-(1 << 31), (1 << 31) - 1)
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+
+
+def _number(value, name, kind, none=False, bounds=_INT32):
+    """`value` as `kind` (int: an integer, numpy's and torch's included, within `bounds`, the C type's range the
+    extension takes; float: a real number, finite or not), or None where `none` allows it; else TypeError (the type)
+    or ValueError (out of range) naming the argument."""
     if value is None and none:
         return None
     try:
         if isinstance(value, (bool, str, bytes)):
             raise TypeError
-        return operator.index(value) if kind is int else float(value)
+        number = operator.index(value) if kind is int else float(value)
     except TypeError:
         what = "an integer" if kind is int else "a number"
         raise TypeError(f"{name}: expected {what}{' or None' if none else ''}, got {type(value).__name__}") from None
+    except OverflowError:
+        raise ValueError(f"{name}: {value!r} is out of a float's range") from None
+    if kind is int and not bounds[0] <= number <= bounds[1]:
+        raise ValueError(f"{name}: expected an integer in [{bounds[0]}, {bounds[1]}], got {number}")
+    return number
 
 
 def _decode_args(q, k_cache, v_cache, block_table, seq_lens, out, max_seq_len, return_lse, workspace, status):
@@ -103,6 +113,7 @@ def _decode_args(q, k_cache, v_cache, block_table, seq_lens, out, max_seq_len, r
     _check(seq_lens, "seq_lens", 1, (torch.int32,), q.device)
     if max_seq_len is None:
         max_seq_len = block_table.shape[1] * k_cache.shape[1]
+    max_seq_len = _number(max_seq_len, "max_seq_len", int, bounds=_INT64)
     out = _output(out, "out", q, tuple(q.shape), q.dtype)
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
     ws = None
@@ -117,7 +128,7 @@ def _decode_args(q, k_cache, v_cache, block_table, seq_lens, out, max_seq_len, r
                              f"got shape {tuple(status.shape)} with strides {tuple(status.stride())}")
         st = _view(status, "status")
     views = (_view(q, "q"), _view(k_cache, "k_cache"), _view(v_cache, "v_cache"), _view(block_table, "block_table"),
-             _view(seq_lens, "seq_lens"), int(max_seq_len), _view(out, "out"),
+             _view(seq_lens, "seq_lens"), max_seq_len, _view(out, "out"),
              _view(lse, "lse") if lse is not None else None, ws, st)
     return views, out, lse
 
