@@ -78,7 +78,8 @@ std::shared_ptr<Store> make_prefix_store(std::shared_ptr<Store> store, const std
 /// For an embedding whose own interruptions must end weft's host waits (the Python binding: Ctrl-C, a signal
 /// handler that raised). While a check is set, a World's store waits (its start-up, barriers, heap and team
 /// agreements, its shutdown) ask it on the waiting thread each time a slice of at most 250 ms ran out without the key
-/// (a get answered at once never asks), from_env's connection to rank 0's store asks it every 250 ms, and
+/// (a get answered at once never asks), from_env's connection to rank 0's store asks it between its attempts (at
+/// most 0.5 s apart) and every 250 ms within one, and
 /// World::sync_and_check queries its stream instead of blocking in cudaStreamSynchronize and asks it every 100 ms: a
 /// reason ends the wait with a weft::Error naming it (sync_and_check's leaves the stream's work running: abort the
 /// World to end weft's device waits), nullopt lets it go on. With no

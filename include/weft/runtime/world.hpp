@@ -167,7 +167,9 @@ public:
     /// cudaStreamSynchronize(stream) then check_diagnostics(). A wait that gives up ends its kernel cleanly (the
     /// CUDA context stays usable) and aborts the World, so this throws weft::Error naming the rank, the reason and
     /// the signal. When the synchronisation itself fails (a trap: symm_at_or_trap, the GEMM kernels), the error
-    /// also names the CUDA error.
+    /// also names the CUDA error and the call that returned it. While an embedding's wait check is set
+    /// (set_wait_interrupt_check; the Python binding sets one), the stream is polled with cudaStreamQuery instead and
+    /// the check asked every 100 ms: its reason throws weft::Error with the stream's work still running.
     void sync_and_check(cudaStream_t stream);
 
     /// Aborts the World: sets this rank's abort word (every device wait of this rank stops within about 17 ms and its
