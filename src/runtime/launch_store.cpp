@@ -242,8 +242,7 @@ std::unique_ptr<Store> make_launch_store(const LaunchEnv& env, uint64_t world_in
             store.reset();
             if (std::optional<std::string> why = wait_interrupted()) {  // the embedding's (Ctrl-C in Python)
                 throw_wait_interrupted("World::from_env (" + describe(env, world_index, where) +
-                                           "): waiting for this World's store (last: " + last_error + ")",
-                                       *why);
+                                       "): waiting for this World's store (last: " + last_error + ") stopped: " + *why);
             }
             WEFT_CHECK(Clock::now() < deadline, "no store of this World within " << timeout.count()
                                                                                  << " ms; last: " << last_error);

@@ -108,7 +108,7 @@ std::string wait_ready_or_stop(int fd, short events, Clock::time_point deadline,
         std::string e = wait_ready(fd, events, std::min(deadline, Clock::now() + kInterruptSlice));
         if (e != kTimedOut || Clock::now() >= deadline) return e;
         if (std::optional<std::string> why = wait_interrupted()) {
-            detail::throw_wait_interrupted("rendezvous: connecting to the store at " + endpoint, *why);
+            detail::throw_wait_interrupted("rendezvous: connecting to the store at " + endpoint + " stopped: " + *why);
         }
     }
 }
@@ -166,7 +166,8 @@ UniqueFd connect_with_retry(const std::string& host, int port, Clock::time_point
         }
         if (list != nullptr) ::freeaddrinfo(list);
         if (std::optional<std::string> why = wait_interrupted()) {  // the embedding's (Ctrl-C in Python)
-            detail::throw_wait_interrupted("rendezvous: connecting to the store at " + host + ":" + port_text, *why);
+            detail::throw_wait_interrupted("rendezvous: connecting to the store at " + host + ":" + port_text +
+                                           " stopped: " + *why);
         }
         if (Clock::now() >= deadline) return UniqueFd();
         std::this_thread::sleep_for(std::min<Clock::duration>(backoff, deadline - Clock::now()));
@@ -190,7 +191,7 @@ UniqueFd connect_unix_with_retry(const std::string& name, Clock::time_point dead
             *last_error = "@" + name + ": " + errno_text(errno);
         }
         if (std::optional<std::string> why = wait_interrupted()) {
-            detail::throw_wait_interrupted("rendezvous: connecting to the store at @" + name, *why);
+            detail::throw_wait_interrupted("rendezvous: connecting to the store at @" + name + " stopped: " + *why);
         }
         if (Clock::now() >= deadline) return UniqueFd();
         std::this_thread::sleep_for(std::min<Clock::duration>(backoff, deadline - Clock::now()));
@@ -265,7 +266,8 @@ public:
                                                                     << endpoint_ << " within " << options.timeout.count()
                                                                     << " ms: " << last_error);
             if (std::optional<std::string> why = wait_interrupted()) {
-                detail::throw_wait_interrupted("rendezvous: connecting to the store at " + endpoint_, *why);
+                detail::throw_wait_interrupted("rendezvous: connecting to the store at " + endpoint_ +
+                                               " stopped: " + *why);
             }
             WEFT_LOG_DEBUG("rendezvous: rank " << options.rank << " retrying HELLO with " << endpoint_ << ": " << e);
             std::this_thread::sleep_for(std::min<Clock::duration>(backoff, deadline - Clock::now()));

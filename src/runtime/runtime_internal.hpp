@@ -326,8 +326,8 @@ public:
     using Error::Error;
 };
 
-/// Throws WaitInterrupted: "weft: <what> stopped: <why>".
-[[noreturn]] void throw_wait_interrupted(const std::string& what, const std::string& why);
+/// Throws WaitInterrupted: "weft: <message>" (the message names the wait and the check's reason).
+[[noreturn]] void throw_wait_interrupted(const std::string& message);
 
 /// A team's shared state: members, this rank's place, and its device tables.
 struct TeamState {

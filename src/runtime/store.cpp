@@ -97,9 +97,7 @@ void set_wait_interrupt_check(WaitInterruptCheck check) { wait_interrupt_check.s
 
 bool detail::wait_interrupt_check_set() { return wait_interrupt_check.load(std::memory_order_relaxed) != nullptr; }
 
-void detail::throw_wait_interrupted(const std::string& what, const std::string& why) {
-    throw WaitInterrupted("weft: " + what + " stopped: " + why);
-}
+void detail::throw_wait_interrupted(const std::string& message) { throw WaitInterrupted("weft: " + message); }
 
 std::optional<std::string> wait_interrupted() {
     const WaitInterruptCheck check = wait_interrupt_check.load(std::memory_order_relaxed);

@@ -91,7 +91,12 @@ public:
                 if (ended_early(slice_start, slice) || Clock::now() >= deadline) throw;
             }
             // Only now, the slice having run out: a get answered at once never runs the embedding's check.
-            if (std::optional<std::string> why = wait_interrupted()) stop(*why);
+            if (std::optional<std::string> why = wait_interrupted()) {
+                const auto waited = std::chrono::duration_cast<milliseconds>(Clock::now() - start);
+                throw_wait_interrupted(
+                    (world_ != nullptr ? "rank " + std::to_string(world_->rank) + ": " : std::string()) +
+                    "store get('" + key + "') stopped after " + std::to_string(waited.count()) + " ms: " + *why);
+            }
         }
     }
 

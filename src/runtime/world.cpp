@@ -85,6 +85,8 @@ void agree_on_world_size(Store& store, int rank, int num_ranks, std::chrono::mil
     Bytes theirs;
     try {
         theirs = store.get(kWorldSizeKey, timeout);
+    } catch (const detail::WaitInterrupted&) {
+        throw;  // the embedding's check ended the wait: not a sign of a missing or mis-sized rank 0
     } catch (const std::exception& e) {  // a store of the user's may throw any std::exception
         WEFT_FAIL("rank " << rank << " did not meet rank 0 at the World's start within " << timeout.count()
                           << " ms (is rank 0 of this job running? If it is, it may have been started in a World of "
