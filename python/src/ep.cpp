@@ -167,9 +167,8 @@ void bind_ep(nb::module_& m) {
             [](PyEpBuffer& b) {
                 const auto buffer = b.use();  // held until the handle is counted: close() waits for it
                 DeviceScope scope(b.s->device);  // outside the call: a handle made despite an interrupt dies there
-                std::unique_ptr<ep::NormalHandle> made = interruptible(b.h.get(), [&] {
-                    return std::make_unique<ep::NormalHandle>(buffer->make_normal_handle());
-                });
+                std::unique_ptr<ep::NormalHandle> made = interruptible(
+                    b.h.get(), [&] { return std::make_unique<ep::NormalHandle>(buffer->make_normal_handle()); });
                 return new PyNormalHandle(b.h, b.s, std::move(made), "ep.NormalHandle");
             },
             nb::rv_policy::take_ownership)

@@ -431,8 +431,8 @@ NB_MODULE(_weft, m) {
           interruptibly([](PyWorld& w, uintptr_t input, uintptr_t output, int64_t numel, int dtype, uintptr_t stream,
                            int algo, const PyTeam* team) {
               run_collective<ops::AllReduceOptions>(w, team, algo, [&](const Team& t, const auto& o) {
-                  ops::all_reduce(t, flat_view(input, dtype, numel), flat_view(output, dtype, numel),
-                                  as_stream(stream), o);
+                  ops::all_reduce(t, flat_view(input, dtype, numel), flat_view(output, dtype, numel), as_stream(stream),
+                                  o);
               });
           }),
           "world"_a, "input"_a, "output"_a, "numel"_a, "dtype"_a, "stream"_a, "algo"_a = 0, "team"_a = nb::none());
@@ -450,8 +450,8 @@ NB_MODULE(_weft, m) {
           interruptibly([](PyWorld& w, uintptr_t input, int64_t input_numel, uintptr_t output, int64_t output_numel,
                            int dtype, uintptr_t stream, int algo, const PyTeam* team) {
               run_collective<ops::ReduceScatterOptions>(w, team, algo, [&](const Team& t, const auto& o) {
-                  ops::reduce_scatter(t, flat_view(input, dtype, input_numel),
-                                      flat_view(output, dtype, output_numel), as_stream(stream), o);
+                  ops::reduce_scatter(t, flat_view(input, dtype, input_numel), flat_view(output, dtype, output_numel),
+                                      as_stream(stream), o);
               });
           }),
           "world"_a, "input"_a, "input_numel"_a, "output"_a, "output_numel"_a, "dtype"_a, "stream"_a, "algo"_a = 0,
@@ -540,8 +540,8 @@ NB_MODULE(_weft, m) {
               o.num_splits = num_splits;
               if (workspace) o.workspace = *workspace;
               if (status) o.status = static_cast<ops::AttentionStatus*>(status->data);
-              ops::sp_decode_attention(team_of(w, world, team), q, k_cache, v_cache, block_table, seq_lens,
-                                       max_seq_len, out, lse ? *lse : TensorView(), as_stream(stream), o);
+              ops::sp_decode_attention(team_of(w, world, team), q, k_cache, v_cache, block_table, seq_lens, max_seq_len,
+                                       out, lse ? *lse : TensorView(), as_stream(stream), o);
           }),
           "world"_a, "q"_a, "k_cache"_a, "v_cache"_a, "block_table"_a, "seq_lens"_a, "max_seq_len"_a, "out"_a,
           "lse"_a.none(), "stream"_a, "scale"_a.none(), "num_splits"_a, "workspace"_a.none(), "status"_a.none(),
