@@ -88,6 +88,19 @@ void run_collective(PyWorld& w, const PyTeam* team, int algo, Run&& run) {
     run(team_of(w, world, team), o);
 }
 
+/// decode_attention's (and sp_decode_attention's) options from the bindings' arguments; `status` an int32 [4] tensor
+/// (the wrapper checks it): the record's four fields in order.
+ops::DecodeAttentionOptions decode_options(std::optional<float> scale, int num_splits,
+                                           const std::optional<TensorView>& workspace,
+                                           const std::optional<TensorView>& status) {
+    ops::DecodeAttentionOptions o;
+    o.scale = scale;
+    o.num_splits = num_splits;
+    if (workspace) o.workspace = *workspace;
+    if (status) o.status = static_cast<ops::AttentionStatus*>(status->data);
+    return o;
+}
+
 std::vector<int64_t> dims(const std::array<int64_t, TensorView::kMaxDims>& values, int32_t ndim) {
     return std::vector<int64_t>(values.begin(), values.begin() + ndim);
 }
@@ -515,14 +528,9 @@ NB_MODULE(_weft, m) {
            int device, uintptr_t stream, std::optional<float> scale, int num_splits,
            const std::optional<TensorView>& workspace, const std::optional<TensorView>& status) {
             DeviceScope scope(device);
-            ops::DecodeAttentionOptions o;
-            o.scale = scale;
-            o.num_splits = num_splits;
-            if (workspace) o.workspace = *workspace;
-            // An int32 [4] tensor (the wrapper checks it): the record's four fields in order.
-            if (status) o.status = static_cast<ops::AttentionStatus*>(status->data);
             ops::decode_attention(q, k_cache, v_cache, block_table, seq_lens, max_seq_len, out,
-                                  lse ? *lse : TensorView(), as_stream(stream), o);
+                                  lse ? *lse : TensorView(), as_stream(stream),
+                                  decode_options(scale, num_splits, workspace, status));
         },
         "q"_a, "k_cache"_a, "v_cache"_a, "block_table"_a, "seq_lens"_a, "max_seq_len"_a, "out"_a, "lse"_a.none(),
         "device"_a, "stream"_a, "scale"_a.none(), "num_splits"_a, "workspace"_a.none(), "status"_a.none(), Release());
@@ -535,13 +543,9 @@ NB_MODULE(_weft, m) {
                            const std::optional<TensorView>& status, const PyTeam* team) {
               const WorldUse world = w.use();
               DeviceScope scope(world->device());
-              ops::DecodeAttentionOptions o;
-              o.scale = scale;
-              o.num_splits = num_splits;
-              if (workspace) o.workspace = *workspace;
-              if (status) o.status = static_cast<ops::AttentionStatus*>(status->data);
               ops::sp_decode_attention(team_of(w, world, team), q, k_cache, v_cache, block_table, seq_lens, max_seq_len,
-                                       out, lse ? *lse : TensorView(), as_stream(stream), o);
+                                       out, lse ? *lse : TensorView(), as_stream(stream),
+                                       decode_options(scale, num_splits, workspace, status));
           }),
           "world"_a, "q"_a, "k_cache"_a, "v_cache"_a, "block_table"_a, "seq_lens"_a, "max_seq_len"_a, "out"_a,
           "lse"_a.none(), "stream"_a, "scale"_a.none(), "num_splits"_a, "workspace"_a.none(), "status"_a.none(),

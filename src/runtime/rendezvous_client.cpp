@@ -100,16 +100,21 @@ constexpr auto kConnectAttempt = std::chrono::seconds(5);
 /// How often the waits of connecting ask the embedding's wait check (wait_interrupted).
 constexpr auto kInterruptSlice = std::chrono::milliseconds(250);
 
-/// wait_ready in slices of kInterruptSlice, asking the embedding's wait check after each that ran out (Ctrl-C in
-/// Python ends it within one): its reason throws weft::Error naming `endpoint`. For the waits of connecting only:
-/// a request's reply is read whole or the connection is lost, so its waits are not cut short.
+/// Asks the embedding's wait check (wait_interrupted; Ctrl-C in Python): its reason throws detail::WaitInterrupted
+/// naming the store being connected to, `endpoint`.
+void stop_connecting_if_interrupted(const std::string& endpoint) {
+    if (std::optional<std::string> why = wait_interrupted()) {
+        detail::throw_wait_interrupted("rendezvous: connecting to the store at " + endpoint + " stopped: " + *why);
+    }
+}
+
+/// wait_ready in slices of kInterruptSlice, asking the embedding's wait check after each that ran out. For the waits
+/// of connecting only: a request's reply is read whole or the connection is lost, so its waits are not cut short.
 std::string wait_ready_or_stop(int fd, short events, Clock::time_point deadline, const std::string& endpoint) {
     while (true) {
         std::string e = wait_ready(fd, events, std::min(deadline, Clock::now() + kInterruptSlice));
         if (e != kTimedOut || Clock::now() >= deadline) return e;
-        if (std::optional<std::string> why = wait_interrupted()) {
-            detail::throw_wait_interrupted("rendezvous: connecting to the store at " + endpoint + " stopped: " + *why);
-        }
+        stop_connecting_if_interrupted(endpoint);
     }
 }
 
@@ -165,10 +170,7 @@ UniqueFd connect_with_retry(const std::string& host, int port, Clock::time_point
             *last_error = describe_address(ai->ai_addr) + ": " + errno_text(errno);
         }
         if (list != nullptr) ::freeaddrinfo(list);
-        if (std::optional<std::string> why = wait_interrupted()) {  // the embedding's (Ctrl-C in Python)
-            detail::throw_wait_interrupted("rendezvous: connecting to the store at " + host + ":" + port_text +
-                                           " stopped: " + *why);
-        }
+        stop_connecting_if_interrupted(host + ":" + port_text);
         if (Clock::now() >= deadline) return UniqueFd();
         std::this_thread::sleep_for(std::min<Clock::duration>(backoff, deadline - Clock::now()));
         backoff = std::min(backoff * 2, std::chrono::milliseconds(500));
@@ -190,9 +192,7 @@ UniqueFd connect_unix_with_retry(const std::string& name, Clock::time_point dead
         } else {
             *last_error = "@" + name + ": " + errno_text(errno);
         }
-        if (std::optional<std::string> why = wait_interrupted()) {
-            detail::throw_wait_interrupted("rendezvous: connecting to the store at @" + name + " stopped: " + *why);
-        }
+        stop_connecting_if_interrupted("@" + name);
         if (Clock::now() >= deadline) return UniqueFd();
         std::this_thread::sleep_for(std::min<Clock::duration>(backoff, deadline - Clock::now()));
         backoff = std::min(backoff * 2, std::chrono::milliseconds(500));
@@ -265,10 +265,7 @@ public:
                                                                     << " could not complete HELLO with the store at "
                                                                     << endpoint_ << " within " << options.timeout.count()
                                                                     << " ms: " << last_error);
-            if (std::optional<std::string> why = wait_interrupted()) {
-                detail::throw_wait_interrupted("rendezvous: connecting to the store at " + endpoint_ +
-                                               " stopped: " + *why);
-            }
+            stop_connecting_if_interrupted(endpoint_);
             WEFT_LOG_DEBUG("rendezvous: rank " << options.rank << " retrying HELLO with " << endpoint_ << ": " << e);
             std::this_thread::sleep_for(std::min<Clock::duration>(backoff, deadline - Clock::now()));
             backoff = std::min(backoff * 2, milliseconds(500));

@@ -67,11 +67,12 @@ public:
         } leave;
         const auto start = Clock::now();
         const auto deadline = start + timeout;
-        const auto stop = [&](const std::string& why) {
+        const auto stopped = [&](const std::string& why) {
             const auto waited = std::chrono::duration_cast<milliseconds>(Clock::now() - start);
-            WEFT_FAIL((world_ != nullptr ? "rank " + std::to_string(world_->rank) + ": " : std::string())
-                      << "store get('" << key << "') stopped after " << waited.count() << " ms: " << why);
+            return (world_ != nullptr ? "rank " + std::to_string(world_->rank) + ": " : std::string()) + "store get('" +
+                   key + "') stopped after " + std::to_string(waited.count()) + " ms: " + why;
         };
+        const auto stop = [&](const std::string& why) { WEFT_FAIL(stopped(why)); };
         while (true) {
             if (world_ != nullptr) {
                 const std::optional<std::string> why = key == WorldContext::kStartupFailedKey
@@ -91,12 +92,7 @@ public:
                 if (ended_early(slice_start, slice) || Clock::now() >= deadline) throw;
             }
             // Only now, the slice having run out: a get answered at once never runs the embedding's check.
-            if (std::optional<std::string> why = wait_interrupted()) {
-                const auto waited = std::chrono::duration_cast<milliseconds>(Clock::now() - start);
-                throw_wait_interrupted(
-                    (world_ != nullptr ? "rank " + std::to_string(world_->rank) + ": " : std::string()) +
-                    "store get('" + key + "') stopped after " + std::to_string(waited.count()) + " ms: " + *why);
-            }
+            if (std::optional<std::string> why = wait_interrupted()) throw_wait_interrupted(stopped(*why));
         }
     }
 

@@ -746,8 +746,8 @@ bool is_capture_error(cudaError_t e) {
 }
 /// cudaStreamSynchronize(stream) for an embedding whose interruptions end weft's host waits
 /// (set_wait_interrupt_check): the stream queried until it is done, yielding between queries (as the synchronisation
-/// spins by default), the check asked every 100 ms; its reason throws weft::Error (the stream's work goes on: the
-/// embedding aborts the World, which ends weft's device waits). Returns what the last query returned.
+/// spins by default), the check asked every 100 ms; its reason throws detail::WaitInterrupted (the stream's work goes
+/// on: the embedding aborts the World, which ends weft's device waits). Returns what the last query returned.
 cudaError_t synchronize_interruptibly(cudaStream_t stream, int rank) {
     using Clock = std::chrono::steady_clock;
     const Clock::time_point start = Clock::now();
@@ -758,9 +758,10 @@ cudaError_t synchronize_interruptibly(cudaStream_t stream, int rank) {
         const Clock::time_point now = Clock::now();
         if (now >= next_check) {
             if (std::optional<std::string> why = wait_interrupted()) {
-                WEFT_FAIL("rank " << rank << ": sync_and_check stopped after "
-                                  << std::chrono::duration_cast<std::chrono::milliseconds>(now - start).count()
-                                  << " ms with the stream's work still running: " << *why);
+                detail::throw_wait_interrupted(
+                    "rank " + std::to_string(rank) + ": sync_and_check stopped after " +
+                    std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(now - start).count()) +
+                    " ms with the stream's work still running: " + *why);
             }
             next_check = now + std::chrono::milliseconds(100);
         }

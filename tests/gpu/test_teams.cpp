@@ -26,6 +26,7 @@
 #include "gpu/collectives_test_kernels.hpp"
 #include "support/ep_reference.hpp"
 #include "support/ep_testing.hpp"
+#include "support/error_text.hpp"
 #include "support/jit_testing.hpp"
 #include "support/runtime_checks.hpp"
 #include "weft/ops/all_gather.hpp"
@@ -140,14 +141,7 @@ void report(const std::vector<std::string>& failures) {
     if (failures.size() > 20) ADD_FAILURE() << "... and " << failures.size() - 20 << " more failures";
 }
 
-std::string error_of(const std::function<void()>& fn) {
-    try {
-        fn();
-    } catch (const Error& e) {
-        return e.what();
-    }
-    return "";
-}
+using testing::error_of;
 
 bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 

@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "support/error_text.hpp"
 #include "support/runtime_checks.hpp"
 #include "tp_test_util.hpp"
 #include "weft/ops/ag_gemm.hpp"
@@ -278,16 +279,7 @@ TEST(TpTeams, TeamsOfOneRankRunThePlainGemm) {
     run_teams([](World& w) { return TeamOf{w.team().split_color(w.rank(), 0), w.rank()}; });
 }
 
-/// Runs `fn` and returns the weft::Error's message ("" when nothing was thrown; another exception fails the test).
-template <class Fn>
-std::string error_of(Fn&& fn) {
-    try {
-        fn();
-    } catch (const Error& e) {
-        return e.what();
-    }
-    return "";
-}
+using testing::error_of;
 
 void expect_contains(const std::string& what, const std::string& part, const std::string& context) {
     EXPECT_NE(what.find(part), std::string::npos)

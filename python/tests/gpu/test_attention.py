@@ -18,6 +18,19 @@ def _randn(shape, dtype, seed, rank=0):
     return torch.randn(shape, generator=g, device="cuda", dtype=torch.float32).to(dtype)
 
 
+def _graph_replays(call, out, times=2):
+    """Captures call() in a CUDA graph, then replays it `times` times with `out` poisoned with NaN before each; yields
+    after each replay (synchronised) for the caller's checks."""
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        call()
+    for _ in range(times):
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        yield
+
+
 def _reference(q, k, v, causal, scale, q_position):
     """(out, lse) in fp32 for q [Sq, Hq, D], k/v [Skv, Hkv, D]."""
     sq, hq, d = q.shape
@@ -81,13 +94,7 @@ def test_flash_attention_on_a_side_stream_and_in_a_graph(rank):
     torch.cuda.current_stream().wait_stream(side)
     assert rel_error(out, want) < TOL[torch.bfloat16]
     graph_out = torch.full_like(q, float("nan"))
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        weft.flash_attention(q, k, v, graph_out, causal=True)
-    for _ in range(2):
-        graph_out.fill_(float("nan"))
-        g.replay()
-        torch.cuda.synchronize()
+    for _ in _graph_replays(lambda: weft.flash_attention(q, k, v, graph_out, causal=True), graph_out):
         assert rel_error(graph_out, want) < TOL[torch.bfloat16]
 
 
@@ -138,13 +145,7 @@ def test_decode_attention_empty_sequence_workspace_and_graph(rank):
     ws = torch.empty(max(nbytes, 16), dtype=torch.uint8, device="cuda")
     want, _ = _reference(q[1:2], k[1], v[1], False, 1 / math.sqrt(128), 0)
     out = torch.full_like(q, float("nan"))
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        weft.decode_attention(q, kc, vc, table, lens, out, workspace=ws)
-    for _ in range(2):
-        out.fill_(float("nan"))
-        g.replay()
-        torch.cuda.synchronize()
+    for _ in _graph_replays(lambda: weft.decode_attention(q, kc, vc, table, lens, out, workspace=ws), out):
         assert torch.equal(out[0], torch.zeros_like(out[0]))  # an empty sequence: zeros
         assert rel_error(out[1], want[0]) < TOL[torch.bfloat16]
 
@@ -231,13 +232,8 @@ def test_sp_decode_attention_matches_the_whole_sequence(rank, num_ranks):
     ws = torch.empty(max(16, weft.decode_attention_workspace_bytes(batch, hq, hkv, d, max_len)), dtype=torch.uint8,
                      device="cuda")
     graph_out = torch.full_like(q, float("nan"))
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        weft.sp_decode_attention(q, kc, vc, table, lens, graph_out, workspace=ws)
-    for _ in range(2):
-        graph_out.fill_(float("nan"))
-        g.replay()
-        torch.cuda.synchronize()
+    for _ in _graph_replays(lambda: weft.sp_decode_attention(q, kc, vc, table, lens, graph_out, workspace=ws),
+                            graph_out):
         assert torch.equal(graph_out, got)
 
 
