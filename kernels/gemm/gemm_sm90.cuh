@@ -16,6 +16,7 @@
 #include "weft/device/tile.cuh"
 #include "weft/device/token.cuh"
 #include "weft/ptx/cvt.cuh"
+#include "weft/ptx/ld_st.cuh"
 #include "weft/ptx/matrix.cuh"
 #include "weft/ptx/mbarrier.cuh"
 #include "weft/ptx/setmaxnreg.cuh"
@@ -128,6 +129,45 @@ __device__ __forceinline__ GemmKRange unit_k_range(const Scheduler& sched, int32
     }
 }
 
+/// Grouped schedulers whose wait cannot fail hand each tile to the consumers through the tile ring in shared memory
+/// (gemm_tile_slots): the
+/// producer writes tile i's slot as it takes the tile, before the first stage of i is marked full (the arrive releases
+/// it, the consumers' wait acquires it), and a consumer reads it after its mainloop. The consumers then never run the
+/// scheduler's cursor: no cursor lives in registers beside the accumulators (a ping-pong 128x192 tile fits without
+/// spilling). The waiting grouped schedulers (GroupedWaitScheduler, GatheredWaitScheduler) do not: their producer's 40
+/// registers spilled on the wait's failure path with the ring's stores; their consumers keep the cursor
+/// (is_valid_grouped_wait).
+template <class Scheduler>
+inline constexpr bool kTilesThroughSmem = kSchedulerGrouped<Scheduler> && !kSchedulerWaitMayFail<Scheduler>;
+
+template <GemmConfig kCfg>
+__device__ __forceinline__ unsigned tile_slot(unsigned smem_base, int32_t i) {
+    return smem_base + GemmTraits<kCfg>::kPlan.tile_ring_offset +
+           static_cast<unsigned>(i % gemm_tile_slots(kCfg)) * kGemmTileSlotBytes;
+}
+
+__device__ __forceinline__ void put_tile(unsigned slot, const GemmTile& t) {
+    ptx::st_shared_v4_b32(slot, make_uint4(static_cast<unsigned>(t.m_idx), static_cast<unsigned>(t.m0),
+                                           static_cast<unsigned>(t.n0), static_cast<unsigned>(t.group)));
+    ptx::st_shared_b32(slot + 16, static_cast<unsigned>(t.m_end));
+}
+
+/// The tile of a slot: a grouped tile is always valid (cluster-free: no partner's padding tile), and its column index
+/// follows from its first column.
+template <GemmConfig kCfg>
+__device__ __forceinline__ GemmTile get_tile(unsigned slot) {
+    const uint4 a = ptx::ld_shared_v4_b32(slot);
+    GemmTile t;
+    t.m_idx = static_cast<int32_t>(a.x);
+    t.m0 = static_cast<int32_t>(a.y);
+    t.n0 = static_cast<int32_t>(a.z);
+    t.n_idx = t.n0 / kCfg.tile_n;
+    t.valid = true;
+    t.group = static_cast<int32_t>(a.w);
+    t.m_end = static_cast<int32_t>(ptx::ld_shared_b32(slot + 16));
+    return t;
+}
+
 /// Producer: one thread walks this CTA's tiles and k-blocks, waits for a free stage, and issues the TMA
 /// loads of A (after the scheduler's wait, whose Token it takes) and B into it.
 template <GemmConfig kCfg, class Scheduler>
@@ -143,6 +183,7 @@ __device__ __forceinline__ void producer_loop(const Scheduler& sched, const ptx:
     bool gave_up = false;  // a wait gave up (kSchedulerWaitMayFail): no more waits in this CTA
     for (int32_t i = 0; i < num_tiles; ++i) {
         const GemmTile tile = sched.tile(i);
+        if constexpr (kTilesThroughSmem<Scheduler>) put_tile(tile_slot<kCfg>(smem_base, i), tile);
         // The A loads of this tile take its wait's Token; after a wait gave up, none (what they load is not defined).
         device::Token token = device::Token::assume_local_data();
         if constexpr (kSchedulerWaitMayFail<Scheduler>) {
@@ -261,13 +302,51 @@ __device__ __forceinline__ void stage_subtile(const float (&acc)[GemmTraits<kCfg
     (void)T::kEpiCols;
 }
 
+/// Grouped tiles of 16-bit output: what a TMA store may not write of one staged store box (columns [c0, c0 + kEpiCols)
+/// of rows row0..), by the warpgroup's plain stores from the staging buffer: its rows [row0, row_end) from column
+/// c_from on, never a column from args.n on. For a slab that its group's rows end inside, c_from = c0 (a box would
+/// write the next group's rows); for a whole slab, args.n_tma (the last columns, less than 16 bytes per row, past the
+/// store map's width). From shared memory, not from the accumulators: they are not kept live for a second pass (with
+/// 192 floats per thread and bf16 output that spilled 1388 bytes; with fp32 output the second pass is what spills
+/// nothing, and copy_out_box's six boxes per slab spilled 24-44 bytes: store_slab_tail there).
+template <GemmConfig kCfg>
+__device__ __forceinline__ void copy_out_box(unsigned buf, int row0, int row_end, int c0, int c_from, int tid,
+                                             const GemmArgs& args) {
+    constexpr int kElemBytes = gemm_elem_bytes(kCfg.out_dtype);
+    constexpr int kPerChunk = 16 / kElemBytes;  // elements per 16-byte chunk of a row
+    const int rows = row_end - row0 < kGemmSlabRows ? row_end - row0 : kGemmSlabRows;
+    for (int idx = tid; idx < rows * 8; idx += 128) {
+        const int r = idx / 8, chunk = idx % 8;
+        const int c = c0 + chunk * kPerChunk;
+        if (c + kPerChunk <= c_from || c >= args.n) continue;
+        const uint4 v = ptx::ld_shared_v4_b32(buf + r * 128 + ((chunk ^ (r & 7)) << 4));
+        unsigned char* const dst =
+            static_cast<unsigned char*>(args.d) + ((static_cast<int64_t>(row0 + r) * args.ldd + c) * kElemBytes);
+        if (c >= c_from && c + kPerChunk <= args.n) {
+            *reinterpret_cast<uint4*>(dst) = v;  // D's rows are 16-byte aligned (TMA-stored)
+            continue;
+        }
+        const unsigned words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int e = 0; e < kPerChunk; ++e) {
+            if (c + e < c_from || c + e >= args.n) continue;
+            if constexpr (kElemBytes == 4) {
+                reinterpret_cast<unsigned*>(dst)[e] = words[e];
+            } else {
+                reinterpret_cast<unsigned short*>(dst)[e] = static_cast<unsigned short>(words[e / 2] >> (16 * (e % 2)));
+            }
+        }
+    }
+}
+
 /// Epilogue of one 64-row slab: for each 128-byte-wide column block, registers -> swizzled shared buffer
-/// (double-buffered per warpgroup) -> one TMA store issued by the warpgroup's first thread.
-template <GemmConfig kCfg, int kJ = 0>
+/// (double-buffered per warpgroup) -> one TMA store issued by the warpgroup's first thread; with kCopyOut (grouped
+/// tiles), then copy_out_box of its rows [row0, copy_row_end) from column copy_col_from on.
+template <GemmConfig kCfg, bool kCopyOut = false, int kJ = 0>
 __device__ __forceinline__ void store_slab(const float (&acc)[GemmTraits<kCfg>::kAccPerSlab],
-                                           const ptx::TmaDescriptor* tma_d, unsigned epi_base, int wg,
-                                           int tid, unsigned& epi_count, int row0, int col0, bool valid,
-                                           int row_limit, const GemmArgs& args) {
+                                           const ptx::TmaDescriptor* tma_d, unsigned epi_base, int wg, int tid,
+                                           unsigned& epi_count, int row0, int col0, bool valid, int row_limit,
+                                           const GemmArgs& args, int copy_row_end = 0, int copy_col_from = 0) {
     using T = GemmTraits<kCfg>;
     if constexpr (kJ < T::kEpiSubtiles) {
         const unsigned buf = epi_base + (wg * 2 + (epi_count & 1u)) * T::kPlan.epi_buf_bytes;
@@ -281,8 +360,15 @@ __device__ __forceinline__ void store_slab(const float (&acc)[GemmTraits<kCfg>::
             if (valid && c0 < args.n_tma && row0 < row_limit) ptx::tma_store_2d(tma_d, buf, c0, row0);
             ptx::tma_commit_group();
         }
+        if constexpr (kCopyOut) {
+            if (copy_row_end > row0) {
+                const int c0 = col0 + kJ * T::kEpiCols;
+                copy_out_box<kCfg>(buf, row0, copy_row_end, c0, copy_col_from > c0 ? copy_col_from : c0, tid, args);
+            }
+        }
         ++epi_count;
-        store_slab<kCfg, kJ + 1>(acc, tma_d, epi_base, wg, tid, epi_count, row0, col0, valid, row_limit, args);
+        store_slab<kCfg, kCopyOut, kJ + 1>(acc, tma_d, epi_base, wg, tid, epi_count, row0, col0, valid, row_limit, args,
+                                           copy_row_end, copy_col_from);
     }
 }
 
@@ -310,8 +396,8 @@ __device__ __forceinline__ void st_global_pair(void* base, int64_t idx, float lo
 /// With plain stores: columns [n_tma, N) of one slab (less than 16 bytes per row: a TMA store box would write the
 /// whole 16-byte chunk and overwrite the row padding past N), and, for a tile width that is not a whole number of
 /// store boxes (GemmTraits::kEpiTail), the tile's columns past its last whole box (a box there would overwrite the
-/// next tile's columns); with `all_columns`, every column of the slab (a grouped tile's slab that its group's rows
-/// end inside: a box would overwrite the next group's rows). Rows from `row_end` on are not stored.
+/// next tile's columns); with `all_columns`, every column of the slab (a grouped tile's slab, fp32 output, that its
+/// group's rows end inside: a box would write the next group's rows). Rows from `row_end` on are not stored.
 template <GemmConfig kCfg>
 __device__ __forceinline__ void store_slab_tail(const float (&acc)[GemmTraits<kCfg>::kAccPerSlab], int row0, int col0,
                                                 int warp_in_wg, int lane, const GemmArgs& args, int row_end,
@@ -320,8 +406,7 @@ __device__ __forceinline__ void store_slab_tail(const float (&acc)[GemmTraits<kC
     const int r_hi = r_lo + 8;
 #pragma unroll
     for (int g = 0; g < kCfg.tile_n / 8; ++g) {
-        const bool past_boxes = all_columns || 8 * g >= GemmTraits<kCfg>::kEpiTmaCols;  // compile-time after unrolling
-                                                                                       // (all_columns: dense false)
+        const bool past_boxes = all_columns || 8 * g >= GemmTraits<kCfg>::kEpiTmaCols;
         const int c0 = col0 + 8 * g + 2 * (lane % 4);
         if (past_boxes && c0 + 1 < args.n) {
             // Both columns: one 4- or 8-byte store per row (D's row stride is a multiple of 16 bytes: TMA-stored).
@@ -582,7 +667,9 @@ __device__ __forceinline__ void consumer_loop(const Scheduler& sched, const ptx:
     const int32_t first_tile = kCfg.pingpong ? wg : 0;
     constexpr int32_t kTileStep = kCfg.pingpong ? kGemmConsumerWarpgroups : 1;
     for (int32_t i = first_tile; i < num_tiles; i += kTileStep) {
-        const GemmTile tile = sched.tile(i);
+        // Grouped: the tile comes from the ring once the mainloop is done (tile_slot); its k range is all of K.
+        GemmTile tile{};
+        if constexpr (!kTilesThroughSmem<Scheduler>) tile = sched.tile(i);
         const GemmKRange kr = unit_k_range<kCfg>(sched, i, num_k_blocks);
         if constexpr (kCfg.pingpong) {
             // The ring position where tile i's k-blocks start: the k-blocks of this CTA's earlier units.
@@ -668,6 +755,7 @@ __device__ __forceinline__ void consumer_loop(const Scheduler& sched, const ptx:
         for (int s = 0; s < T::kSlabs; ++s) ptx::wgmma_fence_operands(acc[s]);
         release_stage<kCfg>(bar_empty0 + 8 * prev_stage, lane);  // NOTE: every unit has >= 1 k-block
         if (stuck) break;
+        if constexpr (kTilesThroughSmem<Scheduler>) tile = get_tile<kCfg>(tile_slot<kCfg>(smem_base, i));
 
         // ---- split-K: every unit leaves its partial tile; the tile's last unit sums them and stores D ----
         if constexpr (kCfg.splits > 1) {
@@ -701,12 +789,16 @@ __device__ __forceinline__ void consumer_loop(const Scheduler& sched, const ptx:
             const int row0 = tile.m0 + (slab0 + s) * kGemmSlabRows;
             if constexpr (kGrouped) {
                 // A slab wholly inside its group's rows goes out by TMA; one that the group's rows end inside by plain
-                // stores of its rows (a box would write the next group's rows); one past them not at all.
+                // stores of its rows (a box would write the next group's rows: copy_out_box, or for fp32 output
+                // store_slab_tail); one past them not at all.
                 const bool whole = row0 + kGemmSlabRows <= tile.m_end;
-                store_slab<kCfg>(acc[s], target.map, epi_base, wg, tid, epi_count, row0, tile.n0, store,
-                                 whole ? target.rows : row0, args);
-                if (store && row0 < tile.m_end && (ragged || !whole)) {
-                    store_slab_tail<kCfg>(acc[s], row0, tile.n0, tid / 32, lane, args, tile.m_end, !whole);
+                const bool copy = store && row0 < tile.m_end && (ragged || !whole);
+                constexpr bool kCopy = kCfg.out_dtype != DType::kF32;
+                store_slab<kCfg, kCopy>(acc[s], target.map, epi_base, wg, tid, epi_count, row0, tile.n0, store,
+                                        whole ? target.rows : row0, args, copy ? tile.m_end : row0,
+                                        whole ? args.n_tma : tile.n0);
+                if constexpr (!kCopy) {
+                    if (copy) store_slab_tail<kCfg>(acc[s], row0, tile.n0, tid / 32, lane, args, tile.m_end, !whole);
                 }
             } else if constexpr (kCfg.swap_ab) {
                 const int col0 = tile.n0 + (slab0 + s) * kGemmSlabRows;

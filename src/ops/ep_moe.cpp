@@ -91,9 +91,12 @@ MoePlan plan_moe_block(const MoeConfig& config, int num_ranks, int num_sms) {
     options.expected_rows_per_group = expected_rows;
     MoePlan plan;
     plan.max_recv_rows = g.max_recv_rows;
-    plan.up =
-        plan_grouped_gemm(grouped_problem(local, g.max_recv_rows, 2 * int64_t{config.ffn}, g.hidden), num_sms, options)
-            .config;
+    // The up-projection waits for each expert's rows (GroupedWaitScheduler): planned as a call with a wait.
+    GroupedGemmOptions up_options = options;
+    up_options.wait = GroupedWaitParams{};
+    plan.up = plan_grouped_gemm(grouped_problem(local, g.max_recv_rows, 2 * int64_t{config.ffn}, g.hidden), num_sms,
+                                up_options)
+                  .config;
     plan.down =
         plan_grouped_gemm(grouped_problem(local, g.max_recv_rows, g.hidden, config.ffn), num_sms, options).config;
     plan.tile_stride = static_cast<int32_t>(std::max<int64_t>(1, ceil_div(g.max_recv_rows, plan.down.tile_m)));

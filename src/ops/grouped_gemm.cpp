@@ -200,11 +200,15 @@ void check_plan_options(const GroupedGemmOptions& options, const GroupedGemmProb
     if (options.config) {
         const GemmConfig& c = *options.config;
         WEFT_CHECK(is_valid_grouped(c),
-                   "grouped_gemm: options.config must be a valid cluster-free config of whole 64-column blocks and at "
-                   "most 128 accumulators per thread (is_valid_grouped), got "
+                   "grouped_gemm: options.config must be a valid cluster-free config of whole 64-column blocks, "
+                   "without swap_ab or split-K (is_valid_grouped), got "
                        << format_gemm_config(c));
         WEFT_CHECK(c.in_dtype == p.in_dtype && c.out_dtype == p.out_dtype && c.b_layout == p.b_layout,
                    "grouped_gemm: options.config's dtypes/layout must match the call, got " << format_gemm_config(c));
+        WEFT_CHECK(!options.wait || is_valid_grouped_wait(c),
+                   "grouped_gemm: with options.wait, options.config must have at most 128 accumulators per consumer "
+                   "thread (is_valid_grouped_wait), got "
+                       << format_gemm_config(c));
     }
 }
 
@@ -369,9 +373,9 @@ double grouped_config_cost(const GroupedGemmProblem& p, const GemmConfig& c, int
 
 }  // namespace
 
-GemmConfig pick_grouped_config(const GroupedGemmProblem& p, int64_t rows_per_group, int budget) {
+GemmConfig pick_grouped_config(const GroupedGemmProblem& p, int64_t rows_per_group, int budget, bool waits) {
     WEFT_CHECK(budget > 0, "grouped_gemm: the SM budget must be positive, got " << budget);
-    const std::vector<GemmConfig> configs = grouped_gemm_candidate_configs(p.in_dtype, p.out_dtype, p.b_layout);
+    const std::vector<GemmConfig> configs = grouped_gemm_candidate_configs(p.in_dtype, p.out_dtype, p.b_layout, waits);
     WEFT_CHECK(!configs.empty(), "grouped_gemm: no config for in " << dtype_name(p.in_dtype) << ", out "
                                                                    << dtype_name(p.out_dtype));
     const GroupedRowSpread s = grouped_row_spreads(p, rows_per_group);
@@ -462,14 +466,15 @@ GroupedGemmProblem validate_grouped_gemm_args(GroupedLayout layout, const Tensor
     return p;
 }
 
-std::vector<GemmConfig> grouped_gemm_candidate_configs(DType in_dtype, DType out_dtype, BLayout b_layout) {
+std::vector<GemmConfig> grouped_gemm_candidate_configs(DType in_dtype, DType out_dtype, BLayout b_layout, bool waits) {
+    const auto fits = [waits](const GemmConfig& c) { return waits ? is_valid_grouped_wait(c) : is_valid_grouped(c); };
     // The dense candidates that a grouped call can run (is_valid_grouped), then ping-pong 128x128 (the dense set has
     // it only in cluster pairs) and ping-pong 64x256 (groups of a few hundred rows: 64-row tiles waste at most 63 rows
     // per group, with the arithmetic intensity of a 128x128 tile).
     std::vector<GemmConfig> out;
     for (int i = 0; i < kGemmNumCandidates; ++i) {
         const GemmConfig c = gemm_candidate(i, in_dtype, out_dtype, b_layout);
-        if (is_valid_grouped(c)) out.push_back(c);
+        if (fits(c)) out.push_back(c);
     }
     for (const auto& [tile_m, tile_n, stages] : {std::tuple{128, 128, 6}, std::tuple{64, 256, 4}}) {
         GemmConfig pp = gemm_candidate(0, in_dtype, out_dtype, b_layout);
@@ -477,7 +482,7 @@ std::vector<GemmConfig> grouped_gemm_candidate_configs(DType in_dtype, DType out
         pp.tile_n = tile_n;
         pp.stages = stages;
         pp.pingpong = true;
-        if (is_valid_grouped(pp)) out.push_back(pp);
+        if (fits(pp)) out.push_back(pp);
     }
     return out;
 }
@@ -495,7 +500,7 @@ GroupedGemmPlan plan_grouped_gemm(const GroupedGemmProblem& p, int num_sms, cons
     if (options.config) {
         plan.config = *options.config;  // checked by check_plan_options
     } else {
-        plan.config = pick_grouped_config(p, per_group, budget);
+        plan.config = pick_grouped_config(p, per_group, budget, options.wait.has_value());
     }
     // The most tiles any counts can make: every row in a group of its own tile rows, plus a partial tile per group.
     const GemmConfig& c = plan.config;
@@ -509,6 +514,8 @@ GroupedGemmPlan plan_grouped_gemm(const GroupedGemmProblem& p, int num_sms, cons
 
 jit::KernelSpec grouped_gemm_kernel_spec(const GemmConfig& config, bool wait, bool signal, const std::string& arch) {
     WEFT_CHECK(is_valid_grouped(config), "grouped_gemm: invalid grouped config " << format_gemm_config(config));
+    WEFT_CHECK(!wait || is_valid_grouped_wait(config),
+               "grouped_gemm: invalid config for a waiting grouped kernel " << format_gemm_config(config));
     return gemm_kernel_spec(config,
                             wait ? "weft::kernels::gemm::GroupedWaitScheduler" : "weft::kernels::gemm::GroupedScheduler",
                             signal ? "weft::kernels::gemm::GroupedTileSignalHook" : "weft::kernels::gemm::NoEpilogueHook",

@@ -71,6 +71,11 @@ void validate_moe_tp_shape(const MoeTpShape& s, int num_ranks, const MoeTpOption
         WEFT_CHECK(!gemm_out || o.config->out_dtype == *gemm_out,
                    op << ": options.config must write " << dtype_name(gemm_out.value_or(DType::kBF16))
                       << " (this layer's GEMM output), got " << format_gemm_config(*o.config));
+        // Layer 0 (bf16 out): its GEMM's producer waits for each tile's rows (GatheredWaitScheduler).
+        WEFT_CHECK(gemm_out != DType::kBF16 || is_valid_grouped_wait(*o.config),
+                   op << ": options.config must have at most 128 accumulators per consumer thread "
+                         "(is_valid_grouped_wait: the GEMM waits for each tile's rows), got "
+                      << format_gemm_config(*o.config));
     }
 }
 
@@ -257,7 +262,10 @@ MoeAgGroupedGemm::MoeAgGroupedGemm(const Team& team, const MoeTpShape& shape, co
     p.rows = s.rows_capacity;
     p.n = shape.ffn;
     p.k = shape.hidden;
-    s.config = plan_grouped_gemm(p, num_sms(), s.gemm_options(shape.max_tokens)).config;
+    // The GEMM's producer waits for each tile's rows (GatheredWaitScheduler): a waiting grouped kernel's config.
+    GroupedGemmOptions go = s.gemm_options(shape.max_tokens);
+    go.wait = GroupedWaitParams{};  // planned as a waiting call
+    s.config = plan_grouped_gemm(p, num_sms(), go).config;
     // Every kernel a call launches is loaded now (lazy loading behind a waiting kernel can deadlock).
     s.gemm = &ops::detail::gemm_jit_kernel(detail::moe_ag_gemm_kernel_spec(s.config));
     for (const char* k : {"routing_count", "routing_place", "push", "notify"}) (void)moe_kernel(k);
@@ -550,7 +558,8 @@ MoeTpTimeouts moe_tp_timeouts(std::chrono::milliseconds world_timeout, std::chro
 }
 
 jit::KernelSpec moe_ag_gemm_kernel_spec(const GemmConfig& config, const std::string& arch) {
-    WEFT_CHECK(is_valid_grouped(config), "moe_ag_grouped_gemm: invalid grouped config " << format_gemm_config(config));
+    WEFT_CHECK(is_valid_grouped_wait(config),
+               "moe_ag_grouped_gemm: invalid config for its waiting grouped kernel " << format_gemm_config(config));
     jit::KernelSpec spec = gemm_kernel_spec(config, "weft::kernels::gemm::GatheredWaitScheduler",
                                             "weft::kernels::gemm::NoEpilogueHook", arch);
     spec.header = "moe_tp/moe_tp_gemm.cuh";

@@ -43,6 +43,10 @@ TEST(GemmConfig, EveryCandidateIsValidAndFitsSharedMemory) {
                 ++valid;
                 EXPECT_LE(gemm_smem_plan(c).alloc_bytes, kGemmMaxSmemBytes) << ops::format_gemm_config(c);
                 EXPECT_EQ(gemm_smem_plan(c).bar_offset % 8, 0);
+                // The tile ring's slots are written and read with 16-byte shared-memory accesses.
+                EXPECT_EQ(gemm_smem_plan(c).tile_ring_offset % 16, 0);
+                EXPECT_EQ(gemm_smem_plan(c).used_bytes,
+                          gemm_smem_plan(c).tile_ring_offset + gemm_tile_slots(c) * kGemmTileSlotBytes);
                 EXPECT_EQ(gemm_smem_plan(c).stage_bytes % 1024, 0) << "stages must keep 1024-byte alignment";
             }
             EXPECT_EQ(ops::gemm_candidate_configs(io[0], io[1], layout).size(), valid);

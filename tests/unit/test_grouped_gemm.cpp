@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <nvrtc.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <initializer_list>
@@ -84,7 +85,7 @@ int check_kernels(const std::vector<std::string>& names, const std::string& what
 
 std::vector<std::string> grouped_instantiations(DType out, BLayout layout, bool wait, bool signal) {
     std::vector<std::string> names;
-    for (const GemmConfig& c : ops::grouped_gemm_candidate_configs(DType::kBF16, out, layout)) {
+    for (const GemmConfig& c : ops::grouped_gemm_candidate_configs(DType::kBF16, out, layout, wait)) {
         names.push_back(ops::grouped_gemm_kernel_spec(c, wait, signal, "sm_90a").instantiation);
     }
     return names;
@@ -466,6 +467,25 @@ TEST(GroupedGemmPlan, CandidatesAreGroupedValidAndThePlanFitsTheBudget) {
     EXPECT_EQ(big.grid, 132);
     EXPECT_TRUE(is_valid_grouped(big.config));
     EXPECT_GE(big.config.tile_m * big.config.tile_n, 128 * 128) << ops::format_gemm_config(big.config);
+    // The dense engine's ping-pong 128x192 (192 accumulators per consumer thread) is a grouped candidate too.
+    GemmConfig pp192 = gemm_candidate(9, DType::kBF16, DType::kBF16, BLayout::kNK);
+    ASSERT_TRUE(pp192.pingpong && pp192.tile_m == 128 && pp192.tile_n == 192);
+    EXPECT_TRUE(is_valid_grouped(pp192));
+    const auto bf16_nk = ops::grouped_gemm_candidate_configs(DType::kBF16, DType::kBF16, BLayout::kNK);
+    EXPECT_NE(std::find(bf16_nk.begin(), bf16_nk.end(), pp192), bf16_nk.end());
+    // A waiting call's consumers keep the scheduler's cursor: at most 128 accumulators (is_valid_grouped_wait).
+    EXPECT_FALSE(is_valid_grouped_wait(pp192));
+    for (const GemmConfig& c : ops::grouped_gemm_candidate_configs(DType::kBF16, DType::kBF16, BLayout::kNK, true)) {
+        EXPECT_TRUE(is_valid_grouped_wait(c)) << ops::format_gemm_config(c);
+    }
+    GroupedGemmOptions waiting;
+    waiting.wait = weft::gemm::GroupedWaitParams{};
+    EXPECT_TRUE(is_valid_grouped_wait(ops::plan_grouped_gemm(p, 132, waiting).config));
+    waiting.config = pp192;
+    EXPECT_NE(error_of([&] { ops::plan_grouped_gemm(p, 132, waiting); }).find("is_valid_grouped_wait"),
+              std::string::npos);
+    EXPECT_NE(error_of([&] { ops::grouped_gemm_kernel_spec(pp192, true, false, "sm_90a"); }).find("waiting"),
+              std::string::npos);
 
     // Masked decode: small capacity prefers a tile no taller than the capacity needs.
     GroupedGemmProblem m = p;
@@ -576,23 +596,27 @@ TEST(GroupedGemmPlan, FewRowsInOneExpertGetTilesThatFillTheSms) {
     c = ops::plan_grouped_gemm(m, 132, o).config;
     EXPECT_TRUE(!c.pingpong && c.tile_m == 128 && c.tile_n == 256) << ops::format_gemm_config(c);
 
-    // Contiguous: 8 experts of 4096 rows (or 4096 rows in one): the cooperative 128x256 at N x K = 4096 x 7168, the
-    // ping-pong 128x128 at 7168 x 2048, as the even spread alone picked them.
+    // Contiguous, 8 experts, the benchmark's rows (uniform 8 x 4096, skewed 11131, one expert 4096): the dense
+    // engine's ping-pong 128x192 where the experts' rows are many (0.999x weft dense at both shapes, one H100,
+    // docs/performance.md), the cooperative 128x256 (4096 x 7168) or ping-pong 128x128 (7168 x 2048) where they are
+    // few.
     GroupedGemmProblem ct;
     ct.layout = GroupedLayout::kContiguous;
     ct.groups = 8;
-    ct.n = 4096;
-    ct.k = 7168;
-    for (const int64_t rows : {int64_t{8 * 4096}, int64_t{11131}, int64_t{4096}}) {
-        ct.rows = rows;
-        ct.n = 4096;
-        ct.k = 7168;
+    struct Pick {
+        int64_t rows, n, k;
+        bool pingpong;
+        int tile_n;
+    };
+    for (const Pick& want : {Pick{8 * 4096, 4096, 7168, true, 192}, Pick{11131, 4096, 7168, false, 256},
+                             Pick{4096, 4096, 7168, false, 256}, Pick{8 * 4096, 7168, 2048, true, 192},
+                             Pick{11131, 7168, 2048, true, 192}, Pick{4096, 7168, 2048, true, 128}}) {
+        ct.rows = want.rows;
+        ct.n = want.n;
+        ct.k = want.k;
         c = ops::plan_grouped_gemm(ct, 132).config;
-        EXPECT_TRUE(!c.pingpong && c.tile_m == 128 && c.tile_n == 256) << rows << ": " << ops::format_gemm_config(c);
-        ct.n = 7168;
-        ct.k = 2048;
-        c = ops::plan_grouped_gemm(ct, 132).config;
-        EXPECT_TRUE(c.pingpong && c.tile_m == 128 && c.tile_n == 128) << rows << ": " << ops::format_gemm_config(c);
+        EXPECT_TRUE(c.pingpong == want.pingpong && c.tile_m == 128 && c.tile_n == want.tile_n)
+            << want.rows << " rows, " << want.n << "x" << want.k << ": " << ops::format_gemm_config(c);
     }
 }
 

@@ -95,7 +95,7 @@ TEST(MoeTpSignature, MAndTheRoutingTellCallsApart) {
 
 TEST(MoeTpNvrtc, LayerGemmsCompileWithHgmmaAndNoSpills) {
     std::vector<std::string> names;
-    for (const GemmConfig& c : ops::grouped_gemm_candidate_configs(DType::kBF16, DType::kBF16, BLayout::kNK)) {
+    for (const GemmConfig& c : ops::grouped_gemm_candidate_configs(DType::kBF16, DType::kBF16, BLayout::kNK, true)) {
         names.push_back(ops::detail::moe_ag_gemm_kernel_spec(c, "sm_90a").instantiation);
     }
     for (const GemmConfig& c : ops::grouped_gemm_candidate_configs(DType::kBF16, DType::kF32, BLayout::kNK)) {

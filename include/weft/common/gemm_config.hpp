@@ -81,7 +81,8 @@ struct GemmSmemPlan {
     int32_t epi_buf_bytes;   ///< one staging buffer: 64 rows x 128 bytes (one TMA store box)
     int32_t epi_bytes;       ///< 2 consumer warpgroups x 2 buffers
     int32_t bar_offset;      ///< full[stages] then empty[stages] mbarriers (8 bytes each)
-    int32_t used_bytes;      ///< end of the barriers
+    int32_t tile_ring_offset;  ///< grouped schedulers: the tiles the producer hands the consumers (gemm_tile_slots)
+    int32_t used_bytes;        ///< end of the tile ring
     int32_t alloc_bytes;     ///< what the launch asks for: used_bytes + 1024 to align the base
 };
 
@@ -95,6 +96,14 @@ WEFT_HOST_DEVICE constexpr int32_t gemm_epi_cols(const GemmConfig& c) { return 1
 /// stores (a box would overwrite the next tile's columns): only for hooks that neither route nor signal stores.
 WEFT_HOST_DEVICE constexpr bool gemm_whole_store_boxes(const GemmConfig& c) { return c.tile_n % gemm_epi_cols(c) == 0; }
 
+/// Bytes of one slot of the tile ring (a GemmTile, padded).
+inline constexpr int32_t kGemmTileSlotBytes = 32;
+/// Slots of the tile ring: the producer writes tile j's slot once it has issued the loads of tile j - 1, and a consumer
+/// reads tile i's slot after its mainloop, before it frees a stage of its next tile (ping-pong: i + 2); the producer
+/// then has filled at most `stages` stages past that tile's first, so it writes at most tile i + 2 + stages (tiles of
+/// one k-block each): stages + 3 slots never overwrite an unread one.
+WEFT_HOST_DEVICE constexpr int32_t gemm_tile_slots(const GemmConfig& c) { return c.stages + 3; }
+
 WEFT_HOST_DEVICE constexpr GemmSmemPlan gemm_smem_plan(const GemmConfig& c) {
     GemmSmemPlan p{};
     const int32_t in_bytes = gemm_elem_bytes(c.in_dtype);
@@ -105,7 +114,8 @@ WEFT_HOST_DEVICE constexpr GemmSmemPlan gemm_smem_plan(const GemmConfig& c) {
     p.epi_buf_bytes = kGemmSlabRows * 128;
     p.epi_bytes = kGemmConsumerWarpgroups * 2 * p.epi_buf_bytes;
     p.bar_offset = p.epi_offset + p.epi_bytes;
-    p.used_bytes = p.bar_offset + 2 * c.stages * 8;
+    p.tile_ring_offset = p.bar_offset + 2 * c.stages * 8;
+    p.used_bytes = p.tile_ring_offset + gemm_tile_slots(c) * kGemmTileSlotBytes;
     p.alloc_bytes = p.used_bytes + 1024;
     return p;
 }
@@ -171,11 +181,18 @@ WEFT_HOST_DEVICE constexpr bool is_valid(const GemmConfig& c) {
 }
 
 /// The configs a grouped GEMM (kernels/gemm GroupedScheduler) runs: valid, cluster-free (the groups' tiles are not
-/// paired), tile_n whole 64-column blocks (every B box within its group's 3D slice), at most 128 accumulator floats
-/// per consumer thread (the scheduler's cursor lives in the consumers' registers beside them), and no split-K.
+/// paired), tile_n whole 64-column blocks (every B box within its group's 3D slice), no swap and no split-K. (The
+/// consumers take their tiles from the producer through shared memory and run no scheduler cursor, so a ping-pong
+/// 128x192 tile's 192 accumulator floats per thread fit as in the dense GEMM.)
 WEFT_HOST_DEVICE constexpr bool is_valid_grouped(const GemmConfig& c) {
-    return is_valid(c) && c.cluster_m == 1 && c.cluster_n == 1 && c.tile_n % 64 == 0 && gemm_acc_regs(c) <= 128 &&
-           !c.swap_ab && c.splits == 1;
+    return is_valid(c) && c.cluster_m == 1 && c.cluster_n == 1 && c.tile_n % 64 == 0 && !c.swap_ab && c.splits == 1;
+}
+
+/// The configs of a grouped GEMM whose producer waits per group before loading A (GroupedWaitScheduler: a
+/// GroupedGemmOptions::wait; the TP MoE layer 0's GatheredWaitScheduler): grouped-valid with at most 128 accumulator
+/// floats per consumer thread (their consumers keep the scheduler's cursor in registers beside the accumulators).
+WEFT_HOST_DEVICE constexpr bool is_valid_grouped_wait(const GemmConfig& c) {
+    return is_valid_grouped(c) && gemm_acc_regs(c) <= 128;
 }
 
 /// A tile of D as the scheduler hands it out.

@@ -45,7 +45,8 @@ enum class GroupedLayout : int32_t { kContiguous = 0, kMasked = 1 };
 /// Knobs of one grouped call. Defaults pick everything from the problem and the device.
 struct GroupedGemmOptions {
     int sm_budget = 0;                 ///< CTAs of the persistent grid; 0 = every SM
-    std::optional<GemmConfig> config;  ///< force a config (is_valid_grouped; dtypes and layout must match the call)
+    std::optional<GemmConfig> config;  ///< force a config (is_valid_grouped, with `wait` is_valid_grouped_wait; dtypes
+                                       ///< and layout must match the call)
     /// Rows per group the heuristic plans for (its tile height): 0 = contiguous: rows of A / groups; masked: capacity
     /// / 2 (the mean of counts spread evenly over [0, capacity]). The kernel reads the real counts on the device
     /// whatever this says; a good hint saves padding rows (groups of ~200 rows run 64-row tiles).
@@ -120,8 +121,10 @@ GroupedGemmProblem validate_grouped_gemm_args(GroupedLayout layout, const Tensor
                                               const TensorView& d, BLayout b_layout, const int32_t* offsets,
                                               const int32_t* counts);
 
-/// The configs a grouped call chooses from for its dtypes and layout (each is_valid_grouped).
-std::vector<GemmConfig> grouped_gemm_candidate_configs(DType in_dtype, DType out_dtype, BLayout b_layout);
+/// The configs a grouped call chooses from for its dtypes and layout (each is_valid_grouped; with `waits`, a call whose
+/// producer waits per group, each is_valid_grouped_wait).
+std::vector<GemmConfig> grouped_gemm_candidate_configs(DType in_dtype, DType out_dtype, BLayout b_layout,
+                                                       bool waits = false);
 
 /// What a grouped call launches: its config and persistent grid (CTAs).
 struct GroupedGemmPlan {
@@ -145,10 +148,13 @@ GroupedRowSpread grouped_row_spreads(const GroupedGemmProblem& problem, int64_t 
 /// group's rows rounded up to whole tiles); the pick has the smallest worse ratio to the cheapest candidate of each
 /// spread (ties: the earlier candidate). So few rows in one group (256 rows of one expert) get tiles that fill the
 /// SMs, where the even spread alone (32 experts of 8 rows) would pick the tiles of the most work per tile.
-GemmConfig pick_grouped_config(const GroupedGemmProblem& problem, int64_t rows_per_group, int budget);
+/// With `waits`, among the candidates of a call whose producer waits per group.
+GemmConfig pick_grouped_config(const GroupedGemmProblem& problem, int64_t rows_per_group, int budget,
+                               bool waits = false);
 
 /// Picks the config (pick_grouped_config over the expected rows per group: GroupedGemmOptions::
-/// expected_rows_per_group) and the grid (the SM budget, or fewer when the most tiles any counts could make are fewer).
+/// expected_rows_per_group; among is_valid_grouped_wait configs when options.wait is set) and the grid (the SM
+/// budget, or fewer when the most tiles any counts could make are fewer).
 GroupedGemmPlan plan_grouped_gemm(const GroupedGemmProblem& problem, int num_sms,
                                   const GroupedGemmOptions& options = {});
 

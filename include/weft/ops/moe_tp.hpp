@@ -126,7 +126,8 @@ struct MoeTpOptions {
                                            ///< (the world's shared SM budget / 8); the same on every member (checked
                                            ///< at construction: a weft::Error naming both counts)
     std::optional<GemmConfig> config;      ///< the grouped GEMM's config (is_valid_grouped, bf16 in, B [N, K]; out
-                                           ///< bf16 for MoeAgGroupedGemm, f32 for MoeGroupedGemmRs)
+                                           ///< bf16 for MoeAgGroupedGemm, is_valid_grouped_wait there; f32 for
+                                           ///< MoeGroupedGemmRs)
     std::chrono::milliseconds timeout{0};  ///< bound on every wait on a peer; 0 = World::timeout() (the GEMM's
                                            ///< pipeline waits: twice it)
 };
@@ -222,7 +223,8 @@ private:
 
 /// Checks a TP MoE shape and options against a team size (CPU only; the constructors call it). Throws weft::Error
 /// naming the argument; `op` prefixes the message. `gemm_out`, when given: the layer's GEMM output dtype (bf16 for
-/// MoeAgGroupedGemm, f32 for MoeGroupedGemmRs), which a forced options.config must produce.
+/// MoeAgGroupedGemm, f32 for MoeGroupedGemmRs), which a forced options.config must produce (bf16: and be
+/// is_valid_grouped_wait, as layer 0's GEMM waits for its rows).
 void validate_moe_tp_shape(const MoeTpShape& shape, int num_ranks, const MoeTpOptions& options, const char* op,
                            std::optional<DType> gemm_out = std::nullopt);
 
