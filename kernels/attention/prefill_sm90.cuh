@@ -174,7 +174,7 @@ __device__ __forceinline__ void producer_warp(const AttentionPrefillParams& p, c
         stuck = !ptx::mbarrier_wait_parity_bounded(empty_q, q_phase ^ 1u, timeout);
         q_phase ^= 1u;
         if (stuck) break;
-        if (lane == 0) ptx::st_shared_b64(base + T::kItemOffset, pack_item(done ? -1 : item.q_head, item.m_tile));
+        if (lane == 0) ptx::st_shared(base + T::kItemOffset, pack_item(done ? -1 : item.q_head, item.m_tile));
         if (done || !tile.valid(p)) {
             if (lane == 0) ptx::mbarrier_arrive(full_q);  // release: the consumers' wait sees the item
             if (done) break;
@@ -326,7 +326,7 @@ __device__ __forceinline__ void consumer_warpgroup(const AttentionPrefillParams&
             break;
         }
         q_phase ^= 1u;
-        const uint64_t item = ptx::ld_shared_b64(base + T::kItemOffset);
+        const uint64_t item = ptx::ld_shared<uint64_t>(base + T::kItemOffset);
         const int head = static_cast<int32_t>(static_cast<uint32_t>(item));
         if (head < 0) break;
         const int m0 = static_cast<int32_t>(item >> 32) * T::kBM;

@@ -147,16 +147,16 @@ __device__ __forceinline__ unsigned tile_slot(unsigned smem_base, int32_t i) {
 }
 
 __device__ __forceinline__ void put_tile(unsigned slot, const GemmTile& t) {
-    ptx::st_shared_v4_b32(slot, make_uint4(static_cast<unsigned>(t.m_idx), static_cast<unsigned>(t.m0),
-                                           static_cast<unsigned>(t.n0), static_cast<unsigned>(t.group)));
-    ptx::st_shared_b32(slot + 16, static_cast<unsigned>(t.m_end));
+    ptx::st_shared(slot, make_uint4(static_cast<unsigned>(t.m_idx), static_cast<unsigned>(t.m0),
+                                    static_cast<unsigned>(t.n0), static_cast<unsigned>(t.group)));
+    ptx::st_shared(slot + 16, t.m_end);
 }
 
 /// The tile of a slot: a grouped tile is always valid (cluster-free: no partner's padding tile), and its column index
 /// follows from its first column.
 template <GemmConfig kCfg>
 __device__ __forceinline__ GemmTile get_tile(unsigned slot) {
-    const uint4 a = ptx::ld_shared_v4_b32(slot);
+    const uint4 a = ptx::ld_shared<uint4>(slot);
     GemmTile t;
     t.m_idx = static_cast<int32_t>(a.x);
     t.m0 = static_cast<int32_t>(a.y);
@@ -164,7 +164,7 @@ __device__ __forceinline__ GemmTile get_tile(unsigned slot) {
     t.n_idx = t.n0 / kCfg.tile_n;
     t.valid = true;
     t.group = static_cast<int32_t>(a.w);
-    t.m_end = static_cast<int32_t>(ptx::ld_shared_b32(slot + 16));
+    t.m_end = ptx::ld_shared<int32_t>(slot + 16);
     return t;
 }
 
@@ -319,7 +319,7 @@ __device__ __forceinline__ void copy_out_box(unsigned buf, int row0, int row_end
         const int r = idx / 8, chunk = idx % 8;
         const int c = c0 + chunk * kPerChunk;
         if (c + kPerChunk <= c_from || c >= args.n) continue;
-        const uint4 v = ptx::ld_shared_v4_b32(buf + r * 128 + ((chunk ^ (r & 7)) << 4));
+        const uint4 v = ptx::ld_shared<uint4>(buf + r * 128 + ((chunk ^ (r & 7)) << 4));
         unsigned char* const dst =
             static_cast<unsigned char*>(args.d) + ((static_cast<int64_t>(row0 + r) * args.ldd + c) * kElemBytes);
         if (c >= c_from && c + kPerChunk <= args.n) {
@@ -363,7 +363,7 @@ __device__ __forceinline__ void store_slab(const float (&acc)[GemmTraits<kCfg>::
         if constexpr (kCopyOut) {
             if (copy_row_end > row0) {
                 const int c0 = col0 + kJ * T::kEpiCols;
-                copy_out_box<kCfg>(buf, row0, copy_row_end, c0, copy_col_from > c0 ? copy_col_from : c0, tid, args);
+                copy_out_box<kCfg>(buf, row0, copy_row_end, c0, copy_col_from, tid, args);
             }
         }
         ++epi_count;

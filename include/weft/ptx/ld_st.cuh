@@ -161,37 +161,41 @@ __device__ __forceinline__ void st(T* p, NoDeduce<T> value) {
     }
 }
 
-/// A plain 8-byte store / load at a shared::cta address (ptx::shared_address): one 32-bit register for the address
-/// where a generic pointer takes two. Ordered by what orders plain accesses (an mbarrier's arrive and wait, a
-/// barrier).
-__device__ __forceinline__ void st_shared_b64(unsigned addr, uint64_t v) {
-    asm volatile("st.shared.b64 [%0], %1;" ::"r"(addr), "l"(v) : "memory");
+/// A plain 4-, 8- or 16-byte store / load (any trivially copyable T of that size) at a shared::cta address
+/// (ptx::shared_address): one 32-bit register for the address where a generic pointer takes two; `addr` aligned to
+/// sizeof(T). Ordered by what orders plain accesses (an mbarrier's arrive and wait, a barrier).
+template <class T>
+__device__ __forceinline__ void st_shared(unsigned addr, T value) {
+    static_assert(sizeof(T) == 4 || sizeof(T) == 8 || sizeof(T) == 16, "st_shared: 4-, 8- or 16-byte values only");
+    if constexpr (sizeof(T) == 4) {
+        asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(__builtin_bit_cast(uint32_t, value)) : "memory");
+    } else if constexpr (sizeof(T) == 8) {
+        asm volatile("st.shared.b64 [%0], %1;" ::"r"(addr), "l"(__builtin_bit_cast(uint64_t, value)) : "memory");
+    } else {
+        const uint4 v = __builtin_bit_cast(uint4, value);
+        asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+                     : "memory");
+    }
 }
-__device__ __forceinline__ uint64_t ld_shared_b64(unsigned addr) {
-    uint64_t v;
-    asm volatile("ld.shared.b64 %0, [%1];" : "=l"(v) : "r"(addr) : "memory");
-    return v;
-}
-/// The same for 4 and 16 bytes (addr aligned to the size).
-__device__ __forceinline__ void st_shared_b32(unsigned addr, unsigned v) {
-    asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
-}
-__device__ __forceinline__ unsigned ld_shared_b32(unsigned addr) {
-    unsigned v;
-    asm volatile("ld.shared.b32 %0, [%1];" : "=r"(v) : "r"(addr) : "memory");
-    return v;
-}
-__device__ __forceinline__ void st_shared_v4_b32(unsigned addr, uint4 v) {
-    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
-                 : "memory");
-}
-__device__ __forceinline__ uint4 ld_shared_v4_b32(unsigned addr) {
-    uint4 v;
-    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "r"(addr)
-                 : "memory");
-    return v;
+template <class T>
+__device__ __forceinline__ T ld_shared(unsigned addr) {
+    static_assert(sizeof(T) == 4 || sizeof(T) == 8 || sizeof(T) == 16, "ld_shared: 4-, 8- or 16-byte values only");
+    if constexpr (sizeof(T) == 4) {
+        uint32_t v;
+        asm volatile("ld.shared.b32 %0, [%1];" : "=r"(v) : "r"(addr) : "memory");
+        return __builtin_bit_cast(T, v);
+    } else if constexpr (sizeof(T) == 8) {
+        uint64_t v;
+        asm volatile("ld.shared.b64 %0, [%1];" : "=l"(v) : "r"(addr) : "memory");
+        return __builtin_bit_cast(T, v);
+    } else {
+        uint4 v;
+        asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                     : "r"(addr)
+                     : "memory");
+        return __builtin_bit_cast(T, v);
+    }
 }
 
 }  // namespace weft::ptx
