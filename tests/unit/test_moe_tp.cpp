@@ -469,6 +469,16 @@ TEST(MoeTpArgs, ShapeChecksNameTheField) {
     const std::string wrong_out = error_of([&] { ops::validate_moe_tp_shape(ok, 8, o, "op", DType::kBF16); });
     EXPECT_NE(wrong_out.find("options.config must write bf16 (this layer's GEMM output)"), std::string::npos)
         << wrong_out;
+    // Layer 0's GEMM waits for its rows: a forced config of more than 128 accumulators (ping-pong 128x192) is refused
+    // there and taken by layer 1.
+    GemmConfig pp192 = gemm_candidate(9, DType::kBF16, DType::kBF16, BLayout::kNK);
+    ASSERT_TRUE(pp192.pingpong && pp192.tile_n == 192 && is_valid_grouped(pp192));
+    o.config = pp192;
+    const std::string waiting = error_of([&] { ops::validate_moe_tp_shape(ok, 8, o, "op", DType::kBF16); });
+    EXPECT_NE(waiting.find("is_valid_grouped_wait"), std::string::npos) << waiting;
+    pp192.out_dtype = DType::kF32;
+    o.config = pp192;
+    EXPECT_NO_THROW(ops::validate_moe_tp_shape(ok, 8, o, "op", DType::kF32));
     o = {};
     o.timeout = std::chrono::hours(24 * 31);
     EXPECT_NE(err(ok, 8, o).find("options.timeout must be in [0, 30 days]"), std::string::npos);
