@@ -626,9 +626,11 @@ __device__ __forceinline__ void consumer_loop(const Scheduler& sched, const ptx:
                                               int32_t num_k_blocks, const GemmArgs& args,
                                               const typename Hook::Params& hook_params) {
     using T = GemmTraits<kCfg>;
-    static_assert(!T::kEpiTail || (!kHookRoutesStores<Hook> && !Hook::kNotifies),
-                  "gemm: a hook that routes the tile's stores or signals them stored needs a tile width of whole store "
-                  "boxes (the tail's plain stores are neither routed nor covered by the TMA store wait)");
+    // A hook that signals a tile stored may take a tail: notify_stored's barrier orders the plain stores before it.
+    static_assert(
+        !T::kEpiTail || !kHookRoutesStores<Hook>,
+        "gemm: a hook that routes the tile's stores needs a tile width of whole store boxes (the tail's plain "
+        "stores are not routed)");
     constexpr bool kGrouped = kSchedulerGrouped<Scheduler>;
     static_assert(!kGrouped || !kHookRoutesStores<Hook>,
                   "gemm: a grouped scheduler's tiles end at their group's rows; a hook may not route their stores");
@@ -790,15 +792,18 @@ __device__ __forceinline__ void consumer_loop(const Scheduler& sched, const ptx:
             if constexpr (kGrouped) {
                 // A slab wholly inside its group's rows goes out by TMA; one that the group's rows end inside by plain
                 // stores of its rows (a box would write the next group's rows: copy_out_box, or for fp32 output
-                // store_slab_tail); one past them not at all.
+                // store_slab_tail); one past them not at all. The columns past the tile's last whole box (kEpiTail)
+                // by store_slab_tail in either case.
+                const bool in_group = store && row0 < tile.m_end;
                 const bool whole = row0 + kGemmSlabRows <= tile.m_end;
-                const bool copy = store && row0 < tile.m_end && (ragged || !whole);
+                const bool past_n_tma = args.n_tma < args.n && tile.n0 + T::kEpiTmaCols > args.n_tma;
                 constexpr bool kCopy = kCfg.out_dtype != DType::kF32;
+                const bool copy = in_group && (past_n_tma || !whole);
                 store_slab<kCfg, kCopy>(acc[s], target.map, epi_base, wg, tid, epi_count, row0, tile.n0, store,
                                         whole ? target.rows : row0, args, copy ? tile.m_end : row0,
                                         whole ? args.n_tma : tile.n0);
-                if constexpr (!kCopy) {
-                    if (copy) store_slab_tail<kCfg>(acc[s], row0, tile.n0, tid / 32, lane, args, tile.m_end, !whole);
+                if (kCopy ? T::kEpiTail && in_group : copy || (T::kEpiTail && in_group)) {
+                    store_slab_tail<kCfg>(acc[s], row0, tile.n0, tid / 32, lane, args, tile.m_end, !kCopy && !whole);
                 }
             } else if constexpr (kCfg.swap_ab) {
                 const int col0 = tile.n0 + (slab0 + s) * kGemmSlabRows;

@@ -295,14 +295,15 @@ size_t gemm_workspace_bytes(const GemmProblem& p, int splits, GemvVariant varian
                                round_up(static_cast<int64_t>(partials), 256));
 }
 
-double gemm_config_cost(const GemmProblem& p, const GemmConfig& c, int budget, double per_tile_cost) {
+double gemm_config_cost(const GemmProblem& p, const GemmConfig& c, int budget, double per_tile_cost, GemmWaves w) {
     const int cluster = c.cluster_m * c.cluster_n;
     if (cluster > budget) return std::numeric_limits<double>::infinity();
     const GemmTileGrid g(c, static_cast<int32_t>(p.m), static_cast<int32_t>(p.n));
     const int clusters = std::max(1, budget / cluster);
     // A wave of cluster tiles runs on `cluster` CTAs at once: one tile's time per CTA.
-    const int waves = static_cast<int>(ceil_div(g.num_cluster_tiles(), clusters));
-    const double cost = static_cast<double>(waves) * (c.tile_m * c.tile_n / tile_efficiency(c, p.k) + per_tile_cost);
+    const double waves = w == GemmWaves::kWhole ? static_cast<double>(ceil_div(g.num_cluster_tiles(), clusters))
+                                                : static_cast<double>(g.num_cluster_tiles()) / clusters;
+    const double cost = waves * (c.tile_m * c.tile_n / tile_efficiency(c, p.k) + per_tile_cost);
     // Padding tiles of a cluster pair past the edge of D are pure waste.
     const double useful = static_cast<double>(g.num_tiles()) / (g.num_cluster_tiles() * cluster);
     return cost / useful;

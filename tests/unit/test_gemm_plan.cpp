@@ -149,6 +149,26 @@ TEST(GemmConfig, SwappedConfigsTakeRowTilesOf16AndServeThePlainGemmOnly) {
     EXPECT_FALSE(is_valid(plain));  // 80 rows are the swapped kernel's alone
 }
 
+// Unrounded waves (a grouped call's even spread): tiles / concurrent tiles, never more than the whole waves, equal to
+// them when the tiles fill their last wave, and without the step a whole-wave count takes at one tile past a wave.
+TEST(GemmPlan, UnroundedWavesCostTheTilesWithoutTheLastWavesStep) {
+    ops::GemmProblem p;
+    p.n = 4096;
+    p.k = 7168;
+    const GemmConfig c = gemm_candidate(0, DType::kBF16, DType::kBF16, BLayout::kNK);  // 128x256: 16 tiles per 128 rows
+    const auto cost = [&](int64_t m, ops::GemmWaves w) { return ops::gemm_config_cost(p, c, 132, 0, w); };
+    for (int64_t m : {128, 1000, 4096, 11131, 32768}) {
+        p.m = m;
+        EXPECT_LE(cost(m, ops::GemmWaves::kUnrounded), cost(m, ops::GemmWaves::kWhole)) << m;
+    }
+    p.m = 33 * 128;  // 33 x 16 = 528 tiles = 4 waves of 132
+    EXPECT_DOUBLE_EQ(cost(p.m, ops::GemmWaves::kUnrounded), cost(p.m, ops::GemmWaves::kWhole));
+    const double full = cost(p.m, ops::GemmWaves::kUnrounded);
+    p.m = 34 * 128;  // 16 tiles past 4 waves: a 5th whole wave, 16/132 of one unrounded
+    EXPECT_DOUBLE_EQ(cost(p.m, ops::GemmWaves::kWhole), full * 5 / 4);
+    EXPECT_NEAR(cost(p.m, ops::GemmWaves::kUnrounded), full * (4 + 16.0 / 132) / 4, full * 1e-12);
+}
+
 // The autotuner's swapped set: tile_m = M / t rounded up to 16, tiles filling half a wave to two waves, B [N,K], M <=
 // 512.
 TEST(GemmPlan, SwappedConfigsFillHalfAWaveToTwoWaves) {

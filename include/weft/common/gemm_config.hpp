@@ -181,11 +181,12 @@ WEFT_HOST_DEVICE constexpr bool is_valid(const GemmConfig& c) {
 }
 
 /// The configs a grouped GEMM (kernels/gemm GroupedScheduler) runs: valid, cluster-free (the groups' tiles are not
-/// paired), tile_n whole 64-column blocks (every B box within its group's 3D slice), no swap and no split-K. (The
-/// consumers take their tiles from the producer through shared memory and run no scheduler cursor, so a ping-pong
-/// 128x192 tile's 192 accumulator floats per thread fit as in the dense GEMM.)
+/// paired), no swap and no split-K. B is read through a 3D map (a box never crosses into the next group's slice), so
+/// tile_n may leave a tail of plain-stored columns as in the dense GEMM (128x176, 128x160). (The consumers take their
+/// tiles from the producer through shared memory and run no scheduler cursor, so a ping-pong 128x192 tile's 192
+/// accumulator floats per thread fit as in the dense GEMM.)
 WEFT_HOST_DEVICE constexpr bool is_valid_grouped(const GemmConfig& c) {
-    return is_valid(c) && c.cluster_m == 1 && c.cluster_n == 1 && c.tile_n % 64 == 0 && !c.swap_ab && c.splits == 1;
+    return is_valid(c) && c.cluster_m == 1 && c.cluster_n == 1 && !c.swap_ab && c.splits == 1;
 }
 
 /// The configs of a grouped GEMM whose producer waits per group before loading A (GroupedWaitScheduler: a

@@ -59,10 +59,16 @@ std::string gemv_rows_unsupported(const GemmProblem& p);
 /// The tiled-kernel configs the heuristic (and the autotuner) choose from for this problem's types/layout.
 std::vector<GemmConfig> gemm_candidate_configs(DType in_dtype, DType out_dtype, BLayout b_layout);
 
+/// How gemm_config_cost counts the waves of tiles: whole (the last one rounded up: the tile count is known), or
+/// unrounded (tiles / concurrent tiles: for a caller that knows the tile count only roughly, a grouped call's rows
+/// spread over its groups by counts read on the device).
+enum class GemmWaves { kWhole, kUnrounded };
+
 /// The heuristic's estimate of the tiled kernel's run time with `config` on `budget` SMs (arbitrary units: output
 /// elements of MMA work; lower is better; infinite when a cluster does not fit the budget). `per_tile_cost` adds
 /// that many units per tile (the fused ops' hooks). plan_gemm picks the cheapest candidate.
-double gemm_config_cost(const GemmProblem& problem, const GemmConfig& config, int budget, double per_tile_cost = 0);
+double gemm_config_cost(const GemmProblem& problem, const GemmConfig& config, int budget, double per_tile_cost = 0,
+                        GemmWaves waves = GemmWaves::kWhole);
 
 /// The tiled config for a problem of few rows, given the cost model's pick `picked` on `budget` SMs (pure rule, part of
 /// plan_gemm; kernels/gemm/README.md, "Few rows"): `picked` unless it is cluster-free with all its tiles in one wave
