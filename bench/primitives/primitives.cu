@@ -4,7 +4,7 @@
 // ping-pong, and barrier_all latency by world size.
 //
 //   weft_bench_primitives [--sizes 1K:1G[:4] | --sizes 4K,1M,...] [--iters N] [--warmup N] [--dtype u8]
-//                         [--world 2,4,8] [--placement shared|spread] [--check] [--json FILE]
+//                         [--world 2,4,8] [--placement shared|spread] [--block-threads N] [--check] [--json FILE]
 //
 // Ranks are threads of this process (weft::run_local). --placement shared (the default) puts every rank on
 // GPU 0: the "remote" memory is local HBM, so a put is a device copy and cudaMemcpy D2D of the same bytes is
@@ -15,7 +15,8 @@
 // another GPU) and the barrier's worlds go over the GPUs round robin.
 // Sizes are bytes whatever --dtype says (the dtype is recorded in the JSON). Buffers rotate through a
 // 256 MiB pool so that sizes below the L2 do not run from the L2. The header also gives the device's copy peak
-// (a 1 GiB cudaMemcpyAsync, measured at start-up).
+// (a 1 GiB cudaMemcpyAsync, measured at start-up). The bandwidth kernels run one block per SM of --block-threads
+// threads (default 256); each thread, warp or block moves one contiguous slice of the message.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -56,6 +57,7 @@ struct Options {
     DType dtype = DType::kU8;
     std::vector<int> worlds = {2, 4, 8};
     Placement placement = Placement::kShared;
+    int block_threads = 256;  // --block-threads: threads per block of the bandwidth kernels (one block per SM)
     bool check = false;
     std::string json;
 };
@@ -71,7 +73,13 @@ Options parse_options(int argc, char** argv) {
     cli.dtype(&o.dtype,
               {DType::kBF16, DType::kF16, DType::kF32, DType::kF8E4M3, DType::kI32, DType::kI64, DType::kU8});
     cli.world(&o.worlds, 2, 64).placement(&o.placement).check(&o.check).json(&o.json);
+    cli.int_option("--block-threads", "threads per block of the put/get kernels, one block per SM", &o.block_threads,
+                   32, 1024);
     cli.parse(argc, argv);
+    if (o.block_threads % 32 != 0) {
+        throw UsageError("--block-threads must be a multiple of 32 (whole warps), got " +
+                         std::to_string(o.block_threads));
+    }
     return o;
 }
 
@@ -368,7 +376,6 @@ struct BarrierRow {
 };
 
 constexpr uint64_t kPoolBytes = 256ull << 20;  // rotate through this much memory (> 4x the 60 MB L2)
-constexpr int kThreadsPerBlock = 256;
 
 uint64_t round_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
 
@@ -381,9 +388,9 @@ double time_gbps(cudaStream_t stream, uint64_t bytes, int warmup, int iters, con
 }
 
 template <class G, bool kGet>
-void launch_bandwidth(int blocks, cudaStream_t stream, const DeviceCtx& ctx, uint8_t* local, uint8_t* symmetric,
-                      uint64_t bytes, int pe) {
-    bandwidth_kernel<G, kGet><<<blocks, kThreadsPerBlock, 0, stream>>>(ctx, local, symmetric, bytes, pe);
+void launch_bandwidth(int blocks, int threads, cudaStream_t stream, const DeviceCtx& ctx, uint8_t* local,
+                      uint8_t* symmetric, uint64_t bytes, int pe) {
+    bandwidth_kernel<G, kGet><<<blocks, threads, 0, stream>>>(ctx, local, symmetric, bytes, pe);
 }
 
 uint64_t count_mismatches(cudaStream_t stream, const uint8_t* p, uint64_t bytes, uint64_t seed) {
@@ -444,7 +451,7 @@ void run_bandwidth(World& w, const Options& o, std::vector<BandwidthRow>* rows, 
             }
             const auto put = [&](auto launcher) {
                 return time_gbps(stream, bytes, o.warmup, o.iters, [&](int k) {
-                    launcher(blocks, stream, ctx, local + offset(k), symmetric + offset(k), bytes, 1);
+                    launcher(blocks, o.block_threads, stream, ctx, local + offset(k), symmetric + offset(k), bytes, 1);
                 });
             };
             row.put_gbps[0] = put(launch_bandwidth<Thread, false>);
@@ -478,7 +485,7 @@ void run_bandwidth(World& w, const Options& o, std::vector<BandwidthRow>* rows, 
             }
             const auto get = [&](auto launcher) {
                 return time_gbps(stream, bytes, o.warmup, o.iters, [&](int k) {
-                    launcher(blocks, stream, ctx, local + offset(k), symmetric + offset(k), bytes, 1);
+                    launcher(blocks, o.block_threads, stream, ctx, local + offset(k), symmetric + offset(k), bytes, 1);
                 });
             };
             row.get_gbps[0] = get(launch_bandwidth<Thread, true>);
@@ -632,15 +639,16 @@ int run(int argc, char** argv) {
     if (spread) {
         const int d0 = bw_devices[0], d1 = bw_devices[1];
         std::printf(
-            "\nput/get bandwidth, rank 0 (GPU %d) <-> rank 1 (GPU %d) (GB/s = bytes / time; "
+            "\nput/get bandwidth, rank 0 (GPU %d) <-> rank 1 (GPU %d), %d threads per block (GB/s = bytes / time; "
             "put: rank 0 writes rank 1's heap, roofline = cudaMemcpyAsync GPU%d->GPU%d of the same bytes; "
             "get: rank 0 reads rank 1's heap, rfl.get = cudaMemcpyAsync GPU%d->GPU%d issued on GPU %d; "
             "best/r: the better of best put / roofline and best get / rfl.get)\n",
-            d0, d1, d0, d1, d1, d0, d0);
+            d0, d1, o.block_threads, d0, d1, d1, d0, d0);
     } else {
         std::printf(
-            "\nput/get bandwidth, rank 0 <-> rank 1 (GB/s = bytes / time; roofline = cudaMemcpy D2D of the same "
-            "bytes)\n");
+            "\nput/get bandwidth, rank 0 <-> rank 1, %d threads per block (GB/s = bytes / time; roofline = cudaMemcpy "
+            "D2D of the same bytes)\n",
+            o.block_threads);
     }
     const bool all_ok = print_bandwidth_table(bw, spread, o.check);
     std::printf("\nsignal round trip, 2 ranks, one thread each (us per round trip; ratio to the hand-written ping-pong at the same scope)\n");
@@ -675,6 +683,7 @@ int run(int argc, char** argv) {
         j.field("date", utc_date()).field("iters", o.iters).field("warmup", o.warmup);
         j.field("dtype", dtype_name(o.dtype));
         j.field("placement", placement_name(o.placement)).field("gpus", num_devices);
+        j.field("block_threads", o.block_threads);
         j.key("rank_devices").begin_array(true).value(bw_devices[0]).value(bw_devices[1]).end_array();
         j.field("roofline_copy", spread ? "cudaMemcpyAsync GPU to GPU (put: rank 0's GPU to rank 1's, get: back)"
                                         : "cudaMemcpyAsync D2D");
