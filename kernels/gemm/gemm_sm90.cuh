@@ -627,10 +627,9 @@ __device__ __forceinline__ void consumer_loop(const Scheduler& sched, const ptx:
                                               const typename Hook::Params& hook_params) {
     using T = GemmTraits<kCfg>;
     // A hook that signals a tile stored may take a tail: notify_stored's barrier orders the plain stores before it.
-    static_assert(
-        !T::kEpiTail || !kHookRoutesStores<Hook>,
-        "gemm: a hook that routes the tile's stores needs a tile width of whole store boxes (the tail's plain "
-        "stores are not routed)");
+    static_assert(!T::kEpiTail || !kHookRoutesStores<Hook>,
+                  "gemm: a hook that routes the tile's stores needs a tile width of whole store boxes (the tail's plain "
+                  "stores are not routed)");
     constexpr bool kGrouped = kSchedulerGrouped<Scheduler>;
     static_assert(!kGrouped || !kHookRoutesStores<Hook>,
                   "gemm: a grouped scheduler's tiles end at their group's rows; a hook may not route their stores");
