@@ -27,6 +27,7 @@
 #include "weft/ops/gemm.hpp"
 #include "weft/ops/gemm_ar.hpp"
 #include "weft/ops/gemm_rs.hpp"
+#include "weft/ops/grouped_gemm.hpp"
 #include "weft/ops/reduce_scatter.hpp"
 #include "weft/runtime/driver.hpp"
 #include "weft/runtime/error.hpp"
@@ -98,6 +99,39 @@ ops::DecodeAttentionOptions decode_options(std::optional<float> scale, int num_s
     o.num_splits = num_splits;
     if (workspace) o.workspace = *workspace;
     if (status) o.status = static_cast<ops::AttentionStatus*>(status->data);
+    return o;
+}
+
+BLayout as_b_layout(int code) {
+    WEFT_CHECK(code == static_cast<int>(BLayout::kNK) || code == static_cast<int>(BLayout::kKN),
+               "b_layout: expected 0 (nk) or 1 (kn), got " << code);
+    return static_cast<BLayout>(code);
+}
+
+/// The device pointer of a grouped GEMM's per-group array (`name`: offsets or counts), refused unless `v` is a
+/// contiguous int32 [G] with G = b's groups (a b that is not 3-D is left to the op, whose message names it). The
+/// wrapper (python/weft/_moe.py) checks the same before the call.
+const int32_t* group_array(const TensorView& v, const TensorView& b, const char* name) {
+    WEFT_CHECK(v.dtype == DType::kI32 && v.ndim == 1 && (v.dim(0) <= 1 || v.stride(0) == 1),
+               name << ": expected a contiguous 1-D int32 tensor (one value per group), got " << v.describe());
+    WEFT_CHECK(b.ndim != 3 || v.dim(0) == b.dim(0),
+               name << ": expected " << b.dim(0) << " values (one per group: b's first extent), got " << v.describe());
+    return static_cast<const int32_t*>(v.data);
+}
+
+/// A grouped GEMM's options from the bindings' arguments; `status` a contiguous int32 [4] tensor (the record's four
+/// fields in order), refused otherwise.
+ops::GroupedGemmOptions grouped_options(int sm_budget, int64_t expected_rows_per_group,
+                                        const std::optional<TensorView>& status) {
+    ops::GroupedGemmOptions o;
+    o.sm_budget = sm_budget;
+    o.expected_rows_per_group = expected_rows_per_group;
+    if (status) {
+        WEFT_CHECK(status->dtype == DType::kI32 && status->ndim == 1 && status->dim(0) == 4 && status->stride(0) == 1,
+                   "status: expected a contiguous int32 tensor of 4 elements (weft.grouped_status()), got "
+                       << status->describe());
+        o.status = static_cast<ops::GroupedStatus*>(status->data);
+    }
     return o;
 }
 
@@ -499,12 +533,61 @@ NB_MODULE(_weft, m) {
     m.def(
         "gemm",
         [](const TensorView& a, const TensorView& b, const TensorView& d, int b_layout, int device, uintptr_t stream) {
-            WEFT_CHECK(b_layout == 0 || b_layout == 1, "b_layout: expected 0 (nk) or 1 (kn), got " << b_layout);
+            const BLayout layout = as_b_layout(b_layout);
             // The tensors' device, whatever the calling thread's current one (another Python thread's is 0).
             DeviceScope scope(device);
-            ops::gemm(a, b, d, static_cast<BLayout>(b_layout), as_stream(stream));
+            ops::gemm(a, b, d, layout, as_stream(stream));
         },
         "a"_a, "b"_a, "d"_a, "b_layout"_a, "device"_a, "stream"_a, Release());
+
+    // ---- grouped GEMM (MoE experts; local ops: one GPU, no World needed) ----
+    // offsets, counts and status: int32 tensors on the tensors' device, read (status: written) by the kernel.
+    m.def(
+        "grouped_gemm_contiguous",
+        [](const TensorView& a, const TensorView& b, const TensorView& d, int b_layout, const TensorView& offsets,
+           const TensorView& counts, int device, uintptr_t stream, int sm_budget, int64_t expected_rows_per_group,
+           const std::optional<TensorView>& status) {
+            const BLayout layout = as_b_layout(b_layout);
+            const int32_t* offsets_ptr = group_array(offsets, b, "offsets");
+            const int32_t* counts_ptr = group_array(counts, b, "counts");
+            const ops::GroupedGemmOptions o = grouped_options(sm_budget, expected_rows_per_group, status);
+            DeviceScope scope(device);
+            ops::grouped_gemm_contiguous(a, b, d, layout, offsets_ptr, counts_ptr, as_stream(stream), o);
+        },
+        "a"_a, "b"_a, "d"_a, "b_layout"_a, "offsets"_a, "counts"_a, "device"_a, "stream"_a, "sm_budget"_a = 0,
+        "expected_rows_per_group"_a = 0, "status"_a = nb::none(), Release());
+    m.def(
+        "grouped_gemm_masked",
+        [](const TensorView& a, const TensorView& b, const TensorView& d, int b_layout, const TensorView& counts,
+           int device, uintptr_t stream, int sm_budget, int64_t expected_rows_per_group,
+           const std::optional<TensorView>& status) {
+            const BLayout layout = as_b_layout(b_layout);
+            const int32_t* counts_ptr = group_array(counts, b, "counts");
+            const ops::GroupedGemmOptions o = grouped_options(sm_budget, expected_rows_per_group, status);
+            DeviceScope scope(device);
+            ops::grouped_gemm_masked(a, b, d, layout, counts_ptr, as_stream(stream), o);
+        },
+        "a"_a, "b"_a, "d"_a, "b_layout"_a, "counts"_a, "device"_a, "stream"_a, "sm_budget"_a = 0,
+        "expected_rows_per_group"_a = 0, "status"_a = nb::none(), Release());
+    m.def(
+        "grouped_gemm_masked_fp8",
+        [](const TensorView& a, const TensorView& a_scales, const TensorView& b, const TensorView& d, int b_layout,
+           const TensorView& counts, const TensorView& a_bf16, int device, uintptr_t stream, int sm_budget,
+           int64_t expected_rows_per_group, const std::optional<TensorView>& status) {
+            const BLayout layout = as_b_layout(b_layout);
+            const int32_t* counts_ptr = group_array(counts, b, "counts");
+            const ops::GroupedGemmOptions o = grouped_options(sm_budget, expected_rows_per_group, status);
+            DeviceScope scope(device);
+            ops::grouped_gemm_masked_fp8(a, a_scales, b, d, layout, counts_ptr, a_bf16, as_stream(stream), o);
+        },
+        "a"_a, "a_scales"_a, "b"_a, "d"_a, "b_layout"_a, "counts"_a, "a_bf16"_a, "device"_a, "stream"_a,
+        "sm_budget"_a = 0, "expected_rows_per_group"_a = 0, "status"_a = nb::none(), Release());
+    m.def(
+        "describe_grouped_status",
+        [](int32_t code, int32_t group, int32_t value, int32_t limit) {
+            return ops::describe_grouped_status(ops::GroupedStatus{code, group, value, limit});
+        },
+        "code"_a, "group"_a, "value"_a, "limit"_a);
 
     // ---- attention (local ops: one GPU, no World needed) ----
     m.def(

@@ -59,6 +59,34 @@ def test_op_shape_errors_become_weft_errors_naming_the_field():
     _weft.validate_ag_gemm_shape(max_m=256, n=128, k=128, dtype=0, num_ranks=2)  # a good shape passes
 
 
+def test_the_grouped_gemm_bindings_check_their_arrays_before_the_op():
+    # TensorViews over an address never read: each refusal comes before the op (and before any GPU is touched).
+    def view(shape, dtype="bf16", strides=None):
+        return weft.TensorView(4096, _weft.DTYPES[dtype], shape, strides)
+
+    a, b, d, a3, d3 = view((64, 128)), view((3, 256, 128)), view((64, 256)), view((3, 8, 128)), view((3, 8, 256))
+    i32 = view((3,), "i32")
+    with pytest.raises(weft.Error, match=r"b_layout: expected 0 \(nk\) or 1 \(kn\), got 2"):
+        _weft.grouped_gemm_contiguous(a, b, d, 2, i32, i32, 0, 0)
+    with pytest.raises(weft.Error, match=r"offsets: expected a contiguous 1-D int32 tensor \(one value per group\), "
+                                         r"got i64\[3\]"):
+        _weft.grouped_gemm_contiguous(a, b, d, 0, view((3,), "i64"), i32, 0, 0)
+    with pytest.raises(weft.Error, match="offsets: expected a contiguous 1-D int32 tensor"):
+        _weft.grouped_gemm_contiguous(a, b, d, 0, view((3,), "i32", (2,)), i32, 0, 0)
+    with pytest.raises(weft.Error, match=r"counts: expected 3 values \(one per group: b's first extent\), got "
+                                         r"i32\[4\]"):
+        _weft.grouped_gemm_masked(a3, b, d3, 1, view((4,), "i32"), 0, 0)
+    with pytest.raises(weft.Error, match=r"status: expected a contiguous int32 tensor of 4 elements "
+                                         r"\(weft.grouped_status\(\)\), got i32\[3\]"):
+        _weft.grouped_gemm_masked(a3, b, d3, 0, i32, 0, 0, status=i32)
+    with pytest.raises(weft.Error, match="counts: expected a contiguous 1-D int32 tensor"):
+        _weft.grouped_gemm_masked_fp8(view((3, 8, 128), "f8e4m3"), view((3, 8, 1), "f32"), b, d3, 0,
+                                      view((3, 1), "i32"), a3, 0, 0)
+    assert _weft.describe_grouped_status(0, 0, 0, 0) == ""
+    assert _weft.describe_grouped_status(2, 1, 300, 128) == (
+        "grouped_gemm: group 1 has 300 rows, over the capacity 128 (clamped to the capacity)")
+
+
 def test_algorithm_names():
     assert _weft.parse_algo("all_reduce", "one_shot") == 2
     assert _weft.parse_algo("all_gather", "ce_pull") == 3

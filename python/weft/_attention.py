@@ -15,9 +15,9 @@ def _dtype_list(dtypes):
     return " or ".join(str(d).replace("torch.", "") for d in dtypes)
 
 
-def _check(t, name, dims, dtypes, device=None):
+def _check(t, name, dims, dtypes, device=None, like="q"):
     """Raises TypeError / ValueError naming the argument unless `t` is a `dims`-D torch tensor of one of `dtypes` on
-    `device` (None: any CUDA device)."""
+    `device` (None: any CUDA device; else the device of the argument named `like`)."""
     torch = torch_module()
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -26,7 +26,7 @@ def _check(t, name, dims, dtypes, device=None):
     if device is None and t.device.type != "cuda":
         raise ValueError(f"{name}: expected a CUDA tensor, got one on {t.device}")
     if device is not None and t.device != device:
-        raise ValueError(f"{name}: expected a tensor on {device} (q's device), got one on {t.device}")
+        raise ValueError(f"{name}: expected a tensor on {device} ({like}'s device), got one on {t.device}")
     if t.dtype not in dtypes:
         raise TypeError(f"{name}: expected dtype {_dtype_list(dtypes)}, got {str(t.dtype).replace('torch.', '')}")
 
@@ -100,6 +100,18 @@ def _number(value, name, kind, none=False, bounds=_INT32):
     return number
 
 
+def _status_view(status, device, maker, like):
+    """The TensorView of an op's `status` (None passes as None): an int32 tensor of 4 contiguous elements on `device`
+    (the device of the argument named `like`), as weft.`maker`() makes one; else TypeError / ValueError."""
+    if status is None:
+        return None
+    _check(status, "status", 1, (torch_module().int32,), device, like)
+    if status.numel() != 4 or not status.is_contiguous():
+        raise ValueError(f"status: expected an int32 tensor of 4 contiguous elements (weft.{maker}()), got shape "
+                         f"{tuple(status.shape)} with strides {tuple(status.stride())}")
+    return _view(status, "status")
+
+
 def _decode_args(q, k_cache, v_cache, block_table, seq_lens, out, max_seq_len, return_lse, workspace, status):
     """decode_attention's arguments checked, as (the views q, k_cache, v_cache, block_table, seq_lens, max_seq_len,
     out, lse, workspace, status in the extension's order; out; lse or None). Raises TypeError / ValueError naming
@@ -120,13 +132,7 @@ def _decode_args(q, k_cache, v_cache, block_table, seq_lens, out, max_seq_len, r
     if workspace is not None:
         _check(workspace, "workspace", 1, (torch.uint8,), q.device)
         ws = _view(workspace, "workspace")
-    st = None
-    if status is not None:
-        _check(status, "status", 1, (torch.int32,), q.device)
-        if status.numel() != 4 or not status.is_contiguous():
-            raise ValueError(f"status: expected an int32 tensor of 4 contiguous elements (weft.attention_status()), "
-                             f"got shape {tuple(status.shape)} with strides {tuple(status.stride())}")
-        st = _view(status, "status")
+    st = _status_view(status, q.device, "attention_status", "q")
     views = (_view(q, "q"), _view(k_cache, "k_cache"), _view(v_cache, "v_cache"), _view(block_table, "block_table"),
              _view(seq_lens, "seq_lens"), max_seq_len, _view(out, "out"),
              _view(lse, "lse") if lse is not None else None, ws, st)
@@ -194,28 +200,40 @@ def sp_decode_attention(q, k_cache, v_cache, block_table, seq_lens, out=None, *,
     return (out, lse) if return_lse else out
 
 
-def attention_status(device=None):
-    """A zeroed int32 tensor of 4 elements on `device` (default: torch's current CUDA device) for decode_attention's
-    `status`: code (0: nothing found; 1: a block-table entry outside the cache), sequence, page (the entry's row and
-    column of block_table) and value."""
+def _zeroed_status(device, beside):
+    """A zeroed int32 tensor of 4 elements on CUDA device `device` (default: torch's current one); ValueError for
+    another kind of device (the status lives beside the op's argument named `beside`)."""
     torch = torch_module()
     dev = None if device is None else torch.device(device)
     if dev is not None and dev.type != "cuda":
-        raise ValueError(f"device: expected a CUDA device (the status lives beside q), got {dev}")
+        raise ValueError(f"device: expected a CUDA device (the status lives beside {beside}), got {dev}")
     index = None if dev is None else dev.index
     if index is None:
         index = torch.cuda.current_device()
     return torch.zeros(4, dtype=torch.int32, device=torch.device("cuda", index))
 
 
+def attention_status(device=None):
+    """A zeroed int32 tensor of 4 elements on `device` (default: torch's current CUDA device) for decode_attention's
+    `status`: code (0: nothing found; 1: a block-table entry outside the cache), sequence, page (the entry's row and
+    column of block_table) and value."""
+    return _zeroed_status(device, "q")
+
+
+def _status_record(status, op):
+    """The four fields of a status tensor given to `op` (read on torch's current stream, which it waits for); TypeError
+    unless `status` is an int32 tensor of 4 elements."""
+    torch = torch_module()
+    if not isinstance(status, torch.Tensor) or status.dtype != torch.int32 or status.numel() != 4:
+        raise TypeError(f"status: expected the int32 tensor of 4 elements given to {op}")
+    return tuple(int(x) for x in status.tolist())
+
+
 def check_attention_status(status):
     """Raises weft.Error naming the bad block-table entry decode_attention recorded in `status`, if any. Reads the
     tensor on torch's current stream: call it there after the decode call (or after synchronising the stream it ran
     on). Zero it again (status.zero_()) before reusing it."""
-    torch = torch_module()
-    if not isinstance(status, torch.Tensor) or status.dtype != torch.int32 or status.numel() != 4:
-        raise TypeError("status: expected the int32 tensor of 4 elements given to decode_attention")
-    code, sequence, page, value = (int(x) for x in status.tolist())
+    code, sequence, page, value = _status_record(status, "decode_attention")
     if code != 0:
         raise Error(_weft.describe_attention_status(code, sequence, page, value))
 
