@@ -145,9 +145,11 @@ GroupedRowSpread grouped_row_spreads(const GroupedGemmProblem& problem, int64_t 
 
 /// The config a grouped call runs when none is forced: each candidate (grouped_gemm_candidate_configs) costed by the
 /// dense GEMM's cost model (gemm_config_cost) on the rows its tiles cover in each spread of grouped_row_spreads (each
-/// group's rows rounded up to whole tiles); the pick has the smallest worse ratio to the cheapest candidate of each
-/// spread (ties: the earlier candidate). So few rows in one group (256 rows of one expert) get tiles that fill the
-/// SMs, where the even spread alone (32 experts of 8 rows) would pick the tiles of the most work per tile.
+/// group's rows rounded up to whole tiles; the even spread's waves unrounded, GemmWaves::kUnrounded: real counts differ
+/// between groups, so the last wave's fill is not known); the pick has the smallest worse ratio to the cheapest
+/// candidate of each spread (ties: the earlier candidate). So few rows in one group (256 rows of one expert) get tiles
+/// that fill the SMs, where the even spread alone (32 experts of 8 rows) would pick the tiles of the most work per
+/// tile.
 /// With `waits`, among the candidates of a call whose producer waits per group.
 GemmConfig pick_grouped_config(const GroupedGemmProblem& problem, int64_t rows_per_group, int budget,
                                bool waits = false);
