@@ -423,6 +423,39 @@ struct PyTeam {
     }
 };
 
+/// A stream from Python (torch.cuda.Stream.cuda_stream: an integer).
+inline cudaStream_t as_stream(uintptr_t stream) { return reinterpret_cast<cudaStream_t>(stream); }
+
+// An op made on a World: counted by the World, destroyed collectively by close(). Its World cannot close while it is
+// open, so its calls hold a use of the op alone.
+template <class Op>
+struct PyOp {
+    WorldRef h;
+    int device;  ///< the World's GPU, current during the op's calls
+    Closable<Op> op;
+
+    PyOp(WorldRef world, int world_device, std::unique_ptr<Op> made, const char* op_name)
+        : h(std::move(world)), device(world_device), op(std::move(made), op_name) {
+        ++h->live_objects;
+    }
+    ~PyOp() {
+        if (!op.closed()) {
+            op.destroy_now();
+            --h->live_objects;
+        }
+    }
+    typename Closable<Op>::Use use() const { return op.use(); }
+    /// The count drops inside the call: an interrupt raised after the op was closed must not leave it counted.
+    void close() {
+        interruptible<true>(h.get(), [&] {
+            if (op.close([] {})) --h->live_objects;
+        });
+    }
+};
+
+/// Binds the TP MoE layers and the gathered layout's routing (weft/ops/moe_tp.hpp) into `m` (moe.cpp).
+void bind_moe(nb::module_& m);
+
 /// Binds weft::ops::ep into the submodule `ep` of `m` (ep.cpp).
 void bind_ep(nb::module_& m);
 

@@ -8,6 +8,8 @@
 
 #include "binding.hpp"
 #include "weft/ops/ep.hpp"
+#include "weft/ops/ep_moe.hpp"
+#include "weft/ops/gemm_plan.hpp"
 #include "weft/runtime/error.hpp"
 
 namespace weft::python {
@@ -80,6 +82,7 @@ struct PyEpHandle {
 
 using PyNormalHandle = PyEpHandle<ep::NormalHandle>;
 using PyLowLatencyHandle = PyEpHandle<ep::LowLatencyHandle>;
+using PyMoeBlock = PyOp<ep::MoeBlock>;
 
 ep::Phase parse_phase(const std::string& phase) {
     if (phase == "send_recv") return ep::Phase::kSendRecv;
@@ -91,8 +94,6 @@ ep::Phase parse_phase(const std::string& phase) {
 TensorView int32_vector(const int32_t* ptr, int64_t count) {
     return TensorView(const_cast<int32_t*>(ptr), DType::kI32, {count});
 }
-
-cudaStream_t as_stream(uintptr_t stream) { return reinterpret_cast<cudaStream_t>(stream); }
 
 }  // namespace
 
@@ -230,6 +231,71 @@ void bind_ep(nb::module_& m) {
         .def("sync_and_check", interruptibly([](PyEpBuffer& b, uintptr_t stream) {
                  DeviceScope scope(b.s->device);
                  b.use()->sync_and_check(as_stream(stream));
+             }));
+    nb::class_<PyMoeBlock>(sub, "MoeBlock")
+        .def(
+            "__init__",
+            [](PyMoeBlock* self, PyWorld& w, int num_experts, int hidden, int topk, int max_tokens_per_rank, int ffn,
+               int64_t max_recv_tokens, int64_t max_recv_rows, const PyTeam* team) {
+                ep::MoeConfig c;
+                c.ep.num_experts = num_experts;
+                c.ep.hidden = hidden;
+                c.ep.topk = topk;
+                c.ep.max_tokens_per_rank = max_tokens_per_rank;
+                c.ep.low_latency = false;
+                c.ep.max_recv_tokens = max_recv_tokens;
+                c.ep.max_recv_rows = max_recv_rows;
+                c.ffn = ffn;
+                const WorldUse world = w.use();      // held until the block is counted: World.close() waits for it
+                DeviceScope scope(world->device());  // its memory, stream and kernels on the World's GPU
+                std::unique_ptr<ep::MoeBlock> block = interruptible(w.h.get(), [&] {
+                    return team != nullptr ? std::make_unique<ep::MoeBlock>(team->get(&w.h), c)
+                                           : std::make_unique<ep::MoeBlock>(*world, c);
+                });
+                new (self) PyMoeBlock(w.h, world->device(), std::move(block), "ep.MoeBlock");
+            },
+            "world"_a, "num_experts"_a, "hidden"_a, "topk"_a, "max_tokens_per_rank"_a, "ffn"_a, "max_recv_tokens"_a = 0,
+            "max_recv_rows"_a = 0, "team"_a = nb::none())
+        .def("forward",
+             interruptibly([](PyMoeBlock& b, const TensorView& x, const TensorView& topk_idx,
+                              const TensorView& topk_weights, const TensorView& gate_up, const TensorView& down,
+                              const TensorView& out, uintptr_t stream, bool fused, int comm_sms) {
+                 const auto use = b.use();
+                 ep::MoeOptions o;
+                 o.fused = fused;
+                 o.comm_sms = comm_sms;
+                 DeviceScope scope(b.device);
+                 use->forward(x, topk_idx, topk_weights, ep::MoeWeights{gate_up, down}, out, as_stream(stream), o);
+             }),
+             "x"_a, "topk_idx"_a, "topk_weights"_a, "gate_up"_a, "down"_a, "out"_a, "stream"_a, "fused"_a = true,
+             "comm_sms"_a = 0)
+        .def_prop_ro("num_local_experts",
+                     [](const PyMoeBlock& b) { return b.use()->buffer().geometry().local_experts(); })
+        .def_prop_ro("max_recv_rows", [](const PyMoeBlock& b) { return b.use()->plan().max_recv_rows; })
+        .def_prop_ro("up_config", [](const PyMoeBlock& b) { return ops::gemm_candidate_name(b.use()->plan().up); })
+        .def_prop_ro("down_config", [](const PyMoeBlock& b) { return ops::gemm_candidate_name(b.use()->plan().down); })
+        .def_prop_ro("expert_counts",
+                     [](const PyMoeBlock& b) {
+                         const auto block = b.use();
+                         return int32_vector(block->handle().expert_counts(),
+                                             block->buffer().geometry().local_experts());
+                     })
+        .def_prop_ro("expert_offsets",
+                     [](const PyMoeBlock& b) {
+                         const auto block = b.use();
+                         return int32_vector(block->handle().expert_offsets(),
+                                             block->buffer().geometry().local_experts() + 1);
+                     })
+        .def_prop_ro("gate_up_out", [](const PyMoeBlock& b) { return b.use()->gate_up_out(); })
+        .def_prop_ro("activation", [](const PyMoeBlock& b) { return b.use()->activation(); })
+        .def_prop_ro("expert_out", [](const PyMoeBlock& b) { return b.use()->expert_out(); })
+        .def_prop_ro("closed", [](const PyMoeBlock& b) { return b.op.closed(); })
+        .def("close", &PyMoeBlock::close)
+        .def("check", [](const PyMoeBlock& b) { b.use()->check(); })
+        .def("sync_and_check", interruptibly([](PyMoeBlock& b, uintptr_t stream) {
+                 const auto use = b.use();
+                 DeviceScope scope(b.device);
+                 use->sync_and_check(as_stream(stream));
              }));
 }
 

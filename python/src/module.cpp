@@ -41,8 +41,6 @@ namespace weft::python {
 
 namespace {
 
-cudaStream_t as_stream(uintptr_t stream) { return reinterpret_cast<cudaStream_t>(stream); }
-
 DType as_dtype(int code) {
     WEFT_CHECK(code >= static_cast<int>(DType::kBF16) && code <= static_cast<int>(DType::kU8),
                "dtype: expected a weft dtype code in [0, 6], got " << code);
@@ -149,33 +147,6 @@ struct PyStoreAdapter {
     std::shared_ptr<Store> store;
 };
 
-// An op made on a World: counted by the World, destroyed collectively by close(). Its World cannot close while it is
-// open, so its calls hold a use of the op alone.
-template <class Op>
-struct PyOp {
-    WorldRef h;
-    int device;  ///< the World's GPU, current during the op's calls
-    Closable<Op> op;
-
-    PyOp(WorldRef world, int world_device, std::unique_ptr<Op> made, const char* op_name)
-        : h(std::move(world)), device(world_device), op(std::move(made), op_name) {
-        ++h->live_objects;
-    }
-    ~PyOp() {
-        if (!op.closed()) {
-            op.destroy_now();
-            --h->live_objects;
-        }
-    }
-    typename Closable<Op>::Use use() const { return op.use(); }
-    /// The count drops inside the call: an interrupt raised after the op was closed must not leave it counted.
-    void close() {
-        interruptible<true>(h.get(), [&] {
-            if (op.close([] {})) --h->live_objects;
-        });
-    }
-};
-
 using PyAgGemm = PyOp<ops::AgGemm>;
 using PyGemmRs = PyOp<ops::GemmRs>;
 using PyGemmAr = PyOp<ops::GemmAr>;
@@ -222,6 +193,7 @@ NB_MODULE(_weft, m) {
     m.attr("__version__") = WEFT_VERSION_STRING;
     install_process_hooks();
     bind_ep(m);
+    bind_moe(m);
     bind_testing(m);
 
     nb::dict dtypes;

@@ -87,6 +87,29 @@ def test_the_grouped_gemm_bindings_check_their_arrays_before_the_op():
         "grouped_gemm: group 1 has 300 rows, over the capacity 128 (clamped to the capacity)")
 
 
+def test_the_moe_routing_bindings_check_their_arrays_before_the_op():
+    def view(shape, dtype="i32", strides=None):
+        return weft.TensorView(4096, _weft.DTYPES[dtype], shape, strides)
+
+    idx, counts, offsets, gather, slots = view((3, 2)), view((4,)), view((5,)), view((12,)), view((6,))
+    with pytest.raises(weft.Error, match=r"routing.offsets: expected a contiguous int32 tensor of 5 elements, got "
+                                         r"i32\[4\]"):
+        _weft.moe_route(idx, counts, view((4,)), gather, slots, 1, None, 0, 0)
+    with pytest.raises(weft.Error, match=r"routing.slot_rows: expected a contiguous int32 tensor of 6 elements"):
+        _weft.moe_route(idx, counts, offsets, gather, view((6,), "i64"), 1, None, 0, 0)
+    with pytest.raises(weft.Error, match=r"routing.gather_index: expected a contiguous int32 tensor of 12 elements"):
+        _weft.moe_route(idx, counts, offsets, view((12,), "i32", (2,)), slots, 1, None, 0, 0)
+    with pytest.raises(weft.Error, match=r"topk_idx: expected a 2-D tensor \[tokens, topk\]"):
+        _weft.moe_route(view((6,)), counts, offsets, gather, slots, 1, None, 0, 0)
+    with pytest.raises(weft.Error, match=r"status: expected a contiguous int32 tensor of 4 elements "
+                                         r"\(weft.moe_routing_status\(\)\)"):
+        _weft.moe_route(idx, counts, offsets, gather, slots, 1, view((3,)), 0, 0)
+    assert _weft.describe_moe_routing_status(0, 0, 0, 0) == ""
+    assert "expert index 9, outside [-1, 4)" in _weft.describe_moe_routing_status(1, 5, 9, 4)
+    with pytest.raises(weft.Error, match="shape.max_tokens must be a positive multiple of the team's num_ranks 2"):
+        _weft.validate_moe_tp_shape(63, 64, 64, 8, 2, 2)
+    _weft.validate_moe_tp_shape(64, 64, 64, 8, 2, 2)  # a good shape passes
+
 def test_algorithm_names():
     assert _weft.parse_algo("all_reduce", "one_shot") == 2
     assert _weft.parse_algo("all_gather", "ce_pull") == 3

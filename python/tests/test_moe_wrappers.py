@@ -201,3 +201,29 @@ def test_check_grouped_status_names_the_group_and_passes_a_zero_record():
 def test_the_grouped_gemm_ops_are_exported():
     for name in ("grouped_gemm", "grouped_status", "check_grouped_status"):
         assert name in weft.__all__ and callable(getattr(weft, name))
+
+
+def test_moe_route_refuses_what_is_no_top_k_index_list_on_a_gpu(monkeypatch):
+    monkeypatch.setattr(_weft, "moe_route", lambda *args: pytest.fail("the extension was called"))
+    with pytest.raises(TypeError, match="topk_idx: expected a torch.Tensor, got list"):
+        weft.moe_route([[0, 1]], 4)
+    with pytest.raises(ValueError, match=r"topk_idx: expected a 2-D tensor, got shape \(8,\)"):
+        weft.moe_route(_i32(8), 4)
+    with pytest.raises(ValueError, match="topk_idx: expected a CUDA tensor, got one on cpu"):
+        weft.moe_route(_i32(4, 2), 4)
+    with pytest.raises(ValueError, match="device: expected a CUDA device"):
+        weft.moe_routing_status("cpu")
+    assert weft.moe_gathered_rows(10, 2, 4, 8) == 10 * 2 + 4 * 7
+
+
+def test_a_routing_checks_its_arrays_against_its_sizes():
+    r = weft.MoeRouting(_i32(4), _i32(5), _i32(12), _i32(6), 3, 2)
+    assert (r.num_experts, r.rows_capacity, r.tokens, r.topk) == (4, 12, 3, 2)
+    views = r._views(_CPU)
+    assert [tuple(v.shape) for v in views[:4]] == [(4,), (5,), (12,), (6,)] and views[4:] == (3, 2)
+    with pytest.raises(ValueError, match=r"routing.slot_rows: expected 6 values, got shape \(5,\)"):
+        weft.MoeRouting(_i32(4), _i32(5), _i32(12), _i32(5), 3, 2)._views(_CPU)
+    with pytest.raises(TypeError, match="routing.counts: expected dtype int32, got int64"):
+        weft.MoeRouting(_i32(4).long(), _i32(5), _i32(12), _i32(6), 3, 2)._views(_CPU)
+    with pytest.raises(ValueError, match="routing.gather_index: expected a contiguous tensor, got stride 2"):
+        weft.MoeRouting(_i32(4), _i32(5), _i32(24)[::2], _i32(6), 3, 2)._views(_CPU)

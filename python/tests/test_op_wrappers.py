@@ -339,3 +339,117 @@ def test_sp_decode_attention_counts_the_calls_it_refuses(calls, monkeypatch):
         weft.sp_decode_attention(q, q, q, q, q)
     world = _runtime._state.world
     assert calls == [("count_refused_collective_call", (world, None))] * 2
+
+
+class _StandInOp:
+    """A C++ op that records its calls."""
+
+    def __init__(self, rows_capacity=0):
+        self.runs, self.forwards, self.rows_capacity = [], [], rows_capacity
+
+    def run(self, *args):
+        self.runs.append(args)
+
+    def forward(self, *args, **kwargs):
+        self.forwards.append((args, kwargs))
+
+
+def _moe_layer(cls, max_tokens=16, hidden=64, ffn=32, num_experts=4, topk=2, num_ranks=2, rows_capacity=40):
+    """A TP MoE layer as its constructor leaves it, its C++ op a stand-in that records its calls."""
+    op = object.__new__(cls)
+    op._op, op._ctx, op._team = _StandInOp(rows_capacity), _runtime._state.call_context, None
+    op.max_tokens, op.hidden, op.ffn, op.num_experts, op.topk, op.num_ranks = (max_tokens, hidden, ffn, num_experts,
+                                                                              topk, num_ranks)
+    return op
+
+
+def _zeros(*shape, dtype=torch.bfloat16):
+    return torch.zeros(shape, dtype=dtype)
+
+
+def test_moe_ag_grouped_gemm_passes_views_and_refuses_bad_arguments_naming_them(calls):
+    up = _moe_layer(weft.MoeAgGroupedGemm)
+    x, idx, w = _zeros(8, 64), _zeros(16, 2, dtype=torch.int32), _zeros(4, 32, 64)
+    y = up.run(x, idx, w)
+    assert y.shape == (40, 32) and y.dtype == torch.bfloat16
+    (xv, iv, wv, yv, stream), = up._op.runs
+    assert xv.ptr == x.data_ptr() and stream == _STREAM
+    assert [tuple(v.shape) for v in (xv, iv, wv, yv)] == [(8, 64), (16, 2), (4, 32, 64), (40, 32)]
+    with pytest.raises(ValueError, match=r"x_local: expected 64 columns \(hidden\), got shape \(8, 32\)"):
+        up.run(x[:, :32], idx, w)
+    with pytest.raises(ValueError, match=r"x_local: expected 1 to 8 rows \(max_tokens / ranks\), got shape \(9, 64\)"):
+        up.run(_zeros(9, 64), _zeros(18, 2, dtype=torch.int32), w)
+    with pytest.raises(TypeError, match="x_local: expected dtype bfloat16, got float16"):
+        up.run(x.half(), idx, w)
+    with pytest.raises(ValueError, match=r"topk_idx: expected a contiguous \[16, 2\] tensor"):
+        up.run(x, idx[:8], w)
+    with pytest.raises(TypeError, match="topk_idx: expected dtype int32, got int64"):
+        up.run(x, idx.long(), w)
+    with pytest.raises(ValueError, match=r"w: expected shape \(4, 32, 64\) \(\[num_experts, ffn, hidden\]\)"):
+        up.run(x, idx, _zeros(4, 64, 32))
+    with pytest.raises(ValueError, match=r"out: expected shape \(40, 32\), got \(39, 32\)"):
+        up.run(x, idx, w, _zeros(39, 32))
+    assert len(up._op.runs) == 1 and calls == []
+
+
+def test_moe_grouped_gemm_rs_takes_a_routing_and_refuses_bad_arguments_naming_them(calls):
+    down = _moe_layer(weft.MoeGroupedGemmRs)
+    i32 = torch.int32
+    routing = weft.MoeRouting(_zeros(4, dtype=i32), _zeros(5, dtype=i32), _zeros(40, dtype=i32),
+                              _zeros(32, dtype=i32), 16, 2)
+    h, w, weights = _zeros(40, 32), _zeros(4, 64, 32), _zeros(16, 2, dtype=torch.float32)
+    out = down.run(h, w, routing, weights, out_dtype=torch.float32)
+    assert out.shape == (8, 64) and out.dtype == torch.float32
+    args, = down._op.runs
+    assert [tuple(v.shape) for v in args[2:6]] == [(4,), (5,), (40,), (32,)] and args[6:8] == (16, 2)
+    assert args[-1] == _STREAM and tuple(args[-2].shape) == (8, 64)
+    with pytest.raises(TypeError, match="routing: expected a weft.MoeRouting"):
+        down.run(h, w, (routing.counts, routing.offsets), weights)
+    odd = weft.MoeRouting(routing.counts, routing.offsets, routing.gather_index, _zeros(30, dtype=i32), 15, 2)
+    with pytest.raises(ValueError, match="routing: expected tokens a positive multiple of the 2 ranks up to max_tokens "
+                                         "= 16, got 15"):
+        down.run(h, w, odd, weights)
+    short = weft.MoeRouting(routing.counts, routing.offsets[:4], routing.gather_index, routing.slot_rows, 16, 2)
+    with pytest.raises(ValueError, match=r"routing.offsets: expected 5 values, got shape \(4,\)"):
+        down.run(h, w, short, weights)
+    with pytest.raises(ValueError, match=r"h: expected shape \(40, 32\) \(routing's rows_capacity, ffn\)"):
+        down.run(h[:39], w, routing, weights)
+    with pytest.raises(ValueError, match=r"w: expected shape \(4, 64, 32\) \(\[num_experts, hidden, ffn\]\)"):
+        down.run(h, _zeros(4, 32, 64), routing, weights)
+    with pytest.raises(ValueError, match=r"topk_weights: expected a contiguous \[16, 2\] tensor"):
+        down.run(h, w, routing, weights.t())
+    with pytest.raises(TypeError, match="out_dtype: expected torch.bfloat16 or torch.float32, got torch.float16"):
+        down.run(h, w, routing, weights, out_dtype=torch.float16)
+    assert len(down._op.runs) == 1 and calls == []
+
+
+def test_moe_layers_check_their_shape_arguments_before_the_collective_construction(calls):
+    with pytest.raises(ValueError, match=r"ffn: expected an integer in \[1, 2147483647\], got 0"):
+        weft.MoeAgGroupedGemm(16, 64, 0, 4, 2)
+    with pytest.raises(TypeError, match="topk: expected an integer, got float"):
+        weft.MoeGroupedGemmRs(16, 64, 32, 4, 2.0)
+    with pytest.raises(ValueError, match=r"timeout_ms: expected an integer in \[0, 2147483647\], got -1"):
+        weft.MoeGroupedGemmRs(16, 64, 32, 4, 2, timeout_ms=-1)
+
+
+def test_ep_moe_block_passes_its_weights_and_refuses_bad_ones_naming_them(calls, monkeypatch):
+    from weft import ep
+
+    block = object.__new__(ep.MoeBlock)
+    block._op, block._ctx, block._team = _StandInOp(), _runtime._state.call_context, None
+    block.hidden, block.topk, block.ffn = 64, 2, 32
+    monkeypatch.setattr(ep.MoeBlock, "num_local_experts", 3)
+    x, idx, weights = _zeros(5, 64), _zeros(5, 2, dtype=torch.int32), _zeros(5, 2, dtype=torch.float32)
+    gate_up, down = _zeros(3, 64, 64), _zeros(3, 64, 32)
+    out = block(x, idx, weights, gate_up, down, fused=False, comm_sms=4)
+    assert out.shape == (5, 64)
+    (args, kwargs), = block._op.forwards
+    assert [tuple(a.shape) for a in args[:6]] == [(5, 64), (5, 2), (5, 2), (3, 64, 64), (3, 64, 32), (5, 64)]
+    assert args[6] == _STREAM and kwargs == {"fused": False, "comm_sms": 4}
+    with pytest.raises(ValueError, match=r"gate_up: expected shape \(3, 64, 64\), got \(3, 32, 64\)"):
+        block(x, idx, weights, _zeros(3, 32, 64), down)
+    with pytest.raises(ValueError, match="down: expected a contiguous tensor"):
+        block(x, idx, weights, gate_up, _zeros(3, 32, 64).transpose(1, 2))
+    with pytest.raises(TypeError, match="topk_weights: expected dtype float32, got bfloat16"):
+        block(x, idx, weights.bfloat16(), gate_up, down)
+    assert len(block._op.forwards) == 1 and calls == []

@@ -40,7 +40,9 @@ from ._tensor import empty, free, is_symmetric  # noqa: E402
 from . import ep  # noqa: E402
 from ._attention import (attention_status, check_attention_status, decode_attention,  # noqa: E402
                          decode_attention_workspace_bytes, flash_attention, sp_decode_attention)
-from ._moe import check_grouped_status, grouped_gemm, grouped_status  # noqa: E402
+from ._moe import (MoeAgGroupedGemm, MoeGroupedGemmRs, MoeRouting, check_grouped_status,  # noqa: E402
+                   check_moe_routing_status, grouped_gemm, grouped_status, moe_gathered_rows, moe_route,
+                   moe_routing_status)
 from ._ops import (AgGemm, GemmAr, GemmRs, ag_gemm, all_gather, all_reduce, gemm, gemm_ar, gemm_rs,  # noqa: E402
                    reduce_scatter)
 
@@ -51,5 +53,6 @@ __all__ = [
     "empty", "free", "is_symmetric", "all_reduce", "all_gather", "reduce_scatter", "gemm", "ag_gemm", "gemm_rs",
     "gemm_ar", "AgGemm", "GemmRs", "GemmAr", "ep", "flash_attention", "decode_attention",
     "decode_attention_workspace_bytes", "sp_decode_attention", "attention_status", "check_attention_status",
-    "grouped_gemm", "grouped_status", "check_grouped_status",
+    "grouped_gemm", "grouped_status", "check_grouped_status", "MoeRouting", "moe_route", "moe_gathered_rows",
+    "moe_routing_status", "check_moe_routing_status", "MoeAgGroupedGemm", "MoeGroupedGemmRs",
 ]

@@ -1,11 +1,13 @@
 # SPDX-License-Identifier: MIT
-"""weft's grouped GEMM (MoE experts) on torch tensors: one GEMM per group in one persistent launch, the groups' row
-counts read on the GPU, as weft.ep's dispatch leaves them. A local op: it runs on the GPU its tensors are on and needs
-no weft.init; each call is enqueued on torch's current CUDA stream of that device (asynchronous, graph-capturable
-once its kernel is loaded)."""
+"""weft's MoE ops on torch tensors. The grouped GEMM (MoE experts): one GEMM per group in one persistent launch, the
+groups' row counts read on the GPU, as weft.ep's dispatch leaves them; a local op: it runs on the GPU its tensors are
+on and needs no weft.init; each call is enqueued on torch's current CUDA stream of that device (asynchronous,
+graph-capturable once its kernel is loaded). moe_route (local too) and the tensor-parallel MoE layers
+(MoeAgGroupedGemm, MoeGroupedGemmRs: collective, after weft.init) work in the gathered layout of a top-k routing."""
 from . import _tensor, _weft
 from ._attention import _INT32, _INT64, _check, _number, _status_record, _status_view, _view, _zeroed_status
-from ._tensor import torch_module, values_are_bytes, written
+from ._ops import _FusedOp, _out_shape_check
+from ._tensor import check_tensor, heap_tensor, matrix_view, torch_module, values_are_bytes, written
 from ._weft import Error
 
 _B_LAYOUTS = {"nk": 0, "kn": 1}  # weft::BLayout's kNK and kKN
@@ -170,3 +172,247 @@ def check_grouped_status(status):
     code, group, value, limit = _status_record(status, "grouped_gemm")
     if code != 0:
         raise Error(_weft.describe_grouped_status(code, group, value, limit))
+
+
+# ---- the gathered layout and the tensor-parallel MoE layers ----------------------------------------------------
+
+class MoeRouting:
+    """A top-k routing in the gathered layout (weft::ops::MoeRouting): four int32 tensors on one GPU,
+
+        counts        [E]                 rows of each expert
+        offsets       [E + 1]             expert e's rows are [offsets[e], offsets[e] + counts[e]); offsets[E]: the
+                                          rows used, padding included
+        gather_index  [rows_capacity]     the token of each row (-1: padding, unused)
+        slot_rows     [tokens * topk]     the row of slot (t, k) (-1: a dropped slot)
+
+    rows grouped by expert, each expert's slots in (token, k) order. weft.moe_route makes one from a top-k index list;
+    MoeAgGroupedGemm.routing is its last call's; MoeGroupedGemmRs.run takes one."""
+    __slots__ = ("counts", "offsets", "gather_index", "slot_rows", "tokens", "topk")
+
+    def __init__(self, counts, offsets, gather_index, slot_rows, tokens, topk):
+        self.counts, self.offsets, self.gather_index, self.slot_rows = counts, offsets, gather_index, slot_rows
+        self.tokens, self.topk = int(tokens), int(topk)
+
+    @property
+    def num_experts(self):
+        return self.counts.shape[0]
+
+    @property
+    def rows_capacity(self):
+        return self.gather_index.shape[0]
+
+    def _views(self, device):
+        """The extension's arguments for this routing: four int32 views on `device`, tokens, topk; or TypeError /
+        ValueError naming the array."""
+        torch = torch_module()
+        sizes = {"counts": None, "offsets": self.num_experts + 1, "gather_index": None,
+                 "slot_rows": self.tokens * self.topk}
+        views = []
+        for name, size in sizes.items():
+            t = getattr(self, name)
+            _check(t, f"routing.{name}", 1, (torch.int32,), device, "the call's tensors")
+            if size is not None and t.shape[0] != size:
+                raise ValueError(f"routing.{name}: expected {size} values, got shape {tuple(t.shape)}")
+            if t.shape[0] > 1 and t.stride(0) != 1:
+                raise ValueError(f"routing.{name}: expected a contiguous tensor, got stride {t.stride(0)}")
+            views.append(_view(t, f"routing.{name}"))
+        return (*views, self.tokens, self.topk)
+
+
+def moe_gathered_rows(tokens, topk, num_experts, align=1):
+    """Rows of the gathered layout of `tokens` tokens, top-k and `num_experts` experts with every expert's rows padded
+    to a multiple of `align`: tokens * topk + num_experts * (align - 1)."""
+    return _weft.moe_gathered_rows(int(tokens), int(topk), int(num_experts), int(align))
+
+
+def moe_route(topk_idx, num_experts, *, align=1, rows_capacity=None, status=None):
+    """The gathered layout of a top-k routing: topk_idx int32 [tokens, topk] (contiguous, on a GPU; the expert of each
+    slot, -1 = none) -> a MoeRouting on its device, each expert's rows padded to a multiple of `align` (a grouped
+    GEMM's tile rows, or 1). rows_capacity: the rows of gather_index (default, and the least taken:
+    moe_gathered_rows(tokens, topk, num_experts, align)). An index outside [-1, num_experts) drops its slot; with status
+    (weft.moe_routing_status()) the first is recorded there, and weft.check_moe_routing_status(status) raises naming it.
+    An expert named twice in one token's row gets two rows. Two launches on torch's current stream of topk_idx's
+    device, deterministic; needs no weft.init."""
+    torch = torch_module()
+    _check(topk_idx, "topk_idx", 2, (torch.int32,))
+    if not topk_idx.is_contiguous():
+        raise ValueError(f"topk_idx: expected a contiguous tensor, got strides {topk_idx.stride()}")
+    num_experts = _number(num_experts, "num_experts", int, bounds=(1, _INT32[1]))
+    align = _number(align, "align", int, bounds=(1, _INT32[1]))
+    tokens, topk = topk_idx.shape
+    least = moe_gathered_rows(tokens, topk, num_experts, align)
+    rows = least if rows_capacity is None else _number(rows_capacity, "rows_capacity", int, bounds=(0, _INT32[1]))
+    if rows < least:
+        raise ValueError(f"rows_capacity: expected at least tokens x topk + num_experts x (align - 1) = {least}, got "
+                         f"{rows}")
+    device = topk_idx.device
+    status_view = _status_view(status, device, "moe_routing_status", "topk_idx")
+    routing = MoeRouting(torch.empty(num_experts, dtype=torch.int32, device=device),
+                         torch.empty(num_experts + 1, dtype=torch.int32, device=device),
+                         torch.empty(rows, dtype=torch.int32, device=device),
+                         torch.empty(tokens * topk, dtype=torch.int32, device=device), tokens, topk)
+    counts, offsets, gather_index, slot_rows, _, _ = routing._views(device)
+    _weft.moe_route(_view(topk_idx, "topk_idx"), counts, offsets, gather_index, slot_rows, align, status_view,
+                    device.index, _tensor._raw_stream(device.index))
+    return routing
+
+
+def moe_routing_status(device=None):
+    """A zeroed int32 tensor of 4 elements on `device` (default: torch's current CUDA device) for moe_route's `status`:
+    code (0: nothing found; 1: an expert index outside [-1, num_experts)), slot (token * topk + k), value, limit."""
+    return _zeroed_status(device, "topk_idx")
+
+
+def _raise_routing_status(code, slot, value, limit):
+    if code != 0:
+        raise Error(_weft.describe_moe_routing_status(code, slot, value, limit))
+
+
+def check_moe_routing_status(status):
+    """Raises weft.Error naming the bad expert index moe_route recorded in `status`, if any (read on torch's current
+    stream, as check_grouped_status does)."""
+    _raise_routing_status(*_status_record(status, "moe_route"))
+
+
+def _layer_args(max_tokens, hidden, ffn, num_experts, topk, comm_blocks, sm_budget, timeout_ms):
+    values = {"max_tokens": max_tokens, "hidden": hidden, "ffn": ffn, "num_experts": num_experts, "topk": topk}
+    values = {name: _number(v, name, int, bounds=(1, _INT32[1])) for name, v in values.items()}
+    knobs = {"comm_blocks": comm_blocks, "sm_budget": sm_budget, "timeout_ms": timeout_ms}
+    knobs = {name: _number(v, name, int, bounds=(0, _INT32[1])) for name, v in knobs.items()}
+    return values, knobs
+
+
+class _MoeLayer(_FusedOp):
+    """What the two TP MoE layers share: the shape's arguments and the weight's check."""
+
+    def __init__(self, max_tokens, hidden, ffn, num_experts, topk, comm_blocks, sm_budget, timeout_ms, team):
+        values, knobs = _layer_args(max_tokens, hidden, ffn, num_experts, topk, comm_blocks, sm_budget, timeout_ms)
+        cls = getattr(_weft, self._kind)
+        super().__init__(lambda w: cls(w, **values, **knobs, team=self._team), team)
+        for name, v in values.items():
+            setattr(self, name, v)
+
+    def _weight(self, w, shape):
+        torch = torch_module()
+        check_tensor(w, "w", self._ctx, (torch.bfloat16,))
+        if tuple(w.shape) != shape:
+            raise ValueError(f"w: expected shape {shape} ({self._w_layout}), got {tuple(w.shape)}")
+        values_are_bytes(w, "w")
+        return _view(w, "w")
+
+    @property
+    def rows_capacity(self):
+        return self._get().rows_capacity
+
+
+class MoeAgGroupedGemm(_MoeLayer):
+    """TP MoE layer 0, AllGather + grouped GEMM: tokens sharded by rank (x_local [M/W, hidden] on each rank), each
+    expert's weight sharded by columns (w [E, ffn, hidden]: this rank's ffn columns), the rows each tile needs pushed
+    by their owners while the GEMM runs. y[r] = x[gather_index[r]] @ w[e].T for the rows r of expert e, in the gathered
+    layout (self.routing after the call). Collective to make (over the World, or `team`'s members: 1 to 8 ranks, one
+    node) and to close; run() on torch's current stream. max_tokens: the largest M (all ranks' tokens), a multiple of
+    the team's size; hidden and ffn multiples of 8 (ffn: this rank's shard; the rest of the shape the same on every
+    rank); topk 1 .. min(64, num_experts). comm_blocks: CTAs of the push (0: chosen, the same on every rank);
+    sm_budget: SMs of the op's kernels (0: the World's); timeout_ms: bound on every wait on a peer (0: the World's)."""
+    _kind = "MoeAgGroupedGemm"
+    _w_layout = "[num_experts, ffn, hidden]"
+
+    def __init__(self, max_tokens, hidden, ffn, num_experts, topk, *, comm_blocks=0, sm_budget=0, timeout_ms=0,
+                 team=None):
+        super().__init__(max_tokens, hidden, ffn, num_experts, topk, comm_blocks, sm_budget, timeout_ms, team)
+
+    def run(self, x_local, topk_idx, w, y=None):
+        """x_local: bf16 [M/W, hidden] (rows with inner stride 1); topk_idx: int32 [M, topk], contiguous, the same on
+        every rank (-1: no expert); w: bf16 [num_experts, ffn, hidden]; y: bf16 [rows_capacity, ffn] (allocated when
+        None). Every rank calls with the same M and topk_idx (a mismatch is raised by World.sync_and_check on every
+        rank). Rows of y past routing.offsets[-1] are not written. Returns y."""
+        torch = torch_module()
+        op = self._get()
+        ctx = self._ctx
+        xv = matrix_view(x_local, "x_local", ctx, (torch.bfloat16,))
+        if x_local.shape[1] != self.hidden:
+            raise ValueError(f"x_local: expected {self.hidden} columns (hidden), got shape {tuple(x_local.shape)}")
+        m = x_local.shape[0] * self.num_ranks
+        if x_local.shape[0] < 1 or m > self.max_tokens:
+            raise ValueError(f"x_local: expected 1 to {self.max_tokens // self.num_ranks} rows (max_tokens / ranks), "
+                             f"got shape {tuple(x_local.shape)}")
+        check_tensor(topk_idx, "topk_idx", ctx, (torch.int32,))
+        if tuple(topk_idx.shape) != (m, self.topk) or not topk_idx.is_contiguous():
+            raise ValueError(f"topk_idx: expected a contiguous [{m}, {self.topk}] tensor (M = x_local's rows x "
+                             f"{self.num_ranks} ranks, topk), got shape {tuple(topk_idx.shape)}")
+        wv = self._weight(w, (self.num_experts, self.ffn, self.hidden))
+        rows = self.rows_capacity
+        if y is None:
+            y = torch.empty((rows, self.ffn), dtype=torch.bfloat16, device=ctx.device)
+        yv = matrix_view(y, "y", ctx, (torch.bfloat16,))
+        _out_shape_check(y, (rows, self.ffn))
+        op.run(xv, _view(topk_idx, "topk_idx"), wv, yv, ctx.stream(ctx.device_index))
+        return written(y)
+
+    @property
+    def routing(self):
+        """The routing of the last call (a MoeRouting of zero-copy views of the op's buffers: valid while the op is
+        open, its values until the next call's routing on the stream)."""
+        counts, offsets, gather_index, slot_rows = self._get().routing()
+        i32 = torch_module().int32
+        tensors = [heap_tensor(v, self._world, i32) for v in (counts, offsets, gather_index, slot_rows)]
+        topk = self.topk
+        return MoeRouting(*tensors, slot_rows.shape[0] // topk, topk)
+
+    def check_routing(self):
+        """Raises weft.Error naming the first expert index outside [-1, num_experts) a call's topk_idx held (such a slot
+        is dropped). The record is cumulative over calls and read from host-mapped memory: synchronise the stream of
+        the calls first."""
+        _raise_routing_status(*self._get().routing_status())
+
+
+class MoeGroupedGemmRs(_MoeLayer):
+    """TP MoE layer 1, grouped GEMM + top-k weighted reduction + ReduceScatter: out[t] = sum over t's slots k of
+    weights[T0 + t, k] * (sum over ranks of h @ w[e].T)[slot_rows[(T0 + t) * topk + k]], for this rank's tokens T0 =
+    rank * M/W .. + M/W, the reduction overlapped with the GEMM. h: the gathered rows (layer 0's y after the
+    activation), w [E, hidden, ffn] this rank's K slice. Collective as MoeAgGroupedGemm (same arguments)."""
+    _kind = "MoeGroupedGemmRs"
+    _w_layout = "[num_experts, hidden, ffn]"
+
+    def __init__(self, max_tokens, hidden, ffn, num_experts, topk, *, comm_blocks=0, sm_budget=0, timeout_ms=0,
+                 team=None):
+        super().__init__(max_tokens, hidden, ffn, num_experts, topk, comm_blocks, sm_budget, timeout_ms, team)
+
+    def run(self, h, w, routing, topk_weights, out=None, *, out_dtype=None):
+        """h: bf16 [routing.rows_capacity, ffn]; w: bf16 [num_experts, hidden, ffn]; routing: a MoeRouting the same on
+        every rank (MoeAgGroupedGemm.routing, or weft.moe_route of the replicated topk_idx); topk_weights: float32
+        [M, topk], contiguous, the same on every rank; out: bf16 or float32 [M / W, hidden] (allocated when None, of
+        out_dtype, default bf16). Returns out."""
+        torch = torch_module()
+        op = self._get()
+        ctx = self._ctx
+        if not isinstance(routing, MoeRouting):
+            raise TypeError(f"routing: expected a weft.MoeRouting (MoeAgGroupedGemm.routing or weft.moe_route), got "
+                            f"{type(routing).__name__}")
+        m = routing.tokens
+        if m < self.num_ranks or m % self.num_ranks != 0 or m > self.max_tokens:
+            raise ValueError(f"routing: expected tokens a positive multiple of the {self.num_ranks} ranks up to "
+                             f"max_tokens = {self.max_tokens}, got {m}")
+        if routing.topk != self.topk or routing.num_experts != self.num_experts:
+            raise ValueError(f"routing: expected num_experts {self.num_experts} and topk {self.topk} (the op's), got "
+                             f"{routing.num_experts} and {routing.topk}")
+        route = routing._views(ctx.device)
+        hv = matrix_view(h, "h", ctx, (torch.bfloat16,))
+        if tuple(h.shape) != (routing.rows_capacity, self.ffn):
+            raise ValueError(f"h: expected shape {(routing.rows_capacity, self.ffn)} (routing's rows_capacity, ffn), "
+                             f"got {tuple(h.shape)}")
+        wv = self._weight(w, (self.num_experts, self.hidden, self.ffn))
+        check_tensor(topk_weights, "topk_weights", ctx, (torch.float32,))
+        if tuple(topk_weights.shape) != (m, self.topk) or not topk_weights.is_contiguous():
+            raise ValueError(f"topk_weights: expected a contiguous [{m}, {self.topk}] tensor (routing's tokens, topk), "
+                             f"got shape {tuple(topk_weights.shape)}")
+        out_dtypes = (torch.bfloat16, torch.float32)
+        if out_dtype is not None and out_dtype not in out_dtypes:
+            raise TypeError(f"out_dtype: expected torch.bfloat16 or torch.float32, got {out_dtype}")
+        shape = (m // self.num_ranks, self.hidden)
+        if out is None:
+            out = torch.empty(shape, dtype=out_dtype or torch.bfloat16, device=ctx.device)
+        ov = matrix_view(out, "out", ctx, out_dtypes if out_dtype is None else (out_dtype,))
+        _out_shape_check(out, shape)
+        op.run(hv, wv, *route, _view(topk_weights, "topk_weights"), ov, ctx.stream(ctx.device_index))
+        return written(out)

@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: MIT
-"""MoE expert parallelism from PyTorch: weft::ops::ep's Buffer (normal and low-latency dispatch and combine).
+"""MoE expert parallelism from PyTorch: weft::ops::ep's Buffer (normal and low-latency dispatch and combine) and
+MoeBlock (a whole MoE block: dispatch, expert GEMMs with SwiGLU, combine, overlapped).
 
     buf = weft.ep.Buffer(num_experts=64, hidden=4096, topk=8, max_tokens_per_rank=4096,
                          low_latency=False)               # collective; low-latency buffers: <= 1024 tokens
@@ -37,6 +38,15 @@ def _view(t, name, ctx, dtype):
         if not t.is_contiguous():
             raise ValueError(f"{name}: expected a contiguous tensor; call .contiguous()")
     return v
+
+
+def _routing_views(ctx, x, topk_idx, topk_weights=None, x_name="x"):
+    """The views of a call's tokens (bf16), top-k indices (int32) and weights (float32, when given)."""
+    torch = torch_module()
+    views = [_view(x, x_name, ctx, torch.bfloat16), _view(topk_idx, "topk_idx", ctx, torch.int32)]
+    if topk_weights is not None:
+        views.append(_view(topk_weights, "topk_weights", ctx, torch.float32))
+    return views
 
 
 class _Handle:
@@ -115,12 +125,7 @@ class Buffer(_FusedOp):
         return LowLatencyHandle(self, self._get().make_low_latency_handle())
 
     def _routing(self, x, topk_idx, topk_weights=None, x_name="x"):
-        torch = torch_module()
-        ctx = self._ctx
-        views = [_view(x, x_name, ctx, torch.bfloat16), _view(topk_idx, "topk_idx", ctx, torch.int32)]
-        if topk_weights is not None:
-            views.append(_view(topk_weights, "topk_weights", ctx, torch.float32))
-        return views
+        return _routing_views(self._ctx, x, topk_idx, topk_weights, x_name)
 
     @staticmethod
     def _handle(handle, kind, op):
@@ -201,6 +206,105 @@ class Buffer(_FusedOp):
 
     def check(self):
         """Raises weft.Error for an error a kernel reported (capacity overflow, bad expert index ...)."""
+        self._get().check()
+
+    def sync_and_check(self):
+        self._get().sync_and_check(_stream(self._ctx))
+
+
+class MoeBlock(_FusedOp):
+    """A whole expert-parallel MoE block of this rank (weft::ops::ep::MoeBlock): dispatch, up-projection, SwiGLU,
+    down-projection and combine, the expert GEMMs overlapping the communication. For each token t:
+
+        out[t] = sum over t's valid slots j of topk_weights[t, j] * down_e(swiglu(gate_up_e(x[t]))),  e = topk_idx[t, j]
+
+    gate_up_e(x) = x @ gate_up[e_local].T ([2 * ffn]: gate rows [0, ffn), up rows [ffn, 2 * ffn)), swiglu(g, u) =
+    silu(g) * u rounded to bf16, down_e(a) = a @ down[e_local].T; each GEMM accumulates in fp32 and rounds to bf16;
+    e_local = e - rank * num_experts / W (this rank's experts). Collective to make (over the World, or `team`'s
+    members, one node) and to close; forward() on torch's current stream, collective. num_experts a multiple of the
+    team's size; hidden and ffn multiples of 8; max_recv_tokens / max_recv_rows as Buffer's (0: the worst case)."""
+    _kind = "ep.MoeBlock"
+
+    def __init__(self, num_experts, hidden, topk, max_tokens_per_rank, ffn, *, max_recv_tokens=0, max_recv_rows=0,
+                 team=None):
+        super().__init__(lambda w: _weft.ep.MoeBlock(w, num_experts, hidden, topk, max_tokens_per_rank, ffn,
+                                                     max_recv_tokens=max_recv_tokens, max_recv_rows=max_recv_rows,
+                                                     team=self._team), team)
+        self.num_experts, self.hidden, self.topk, self.ffn = num_experts, hidden, topk, ffn
+        self.max_tokens_per_rank = max_tokens_per_rank
+
+    def _weight(self, t, name, shape):
+        torch = torch_module()
+        check_tensor(t, name, self._ctx, (torch.bfloat16,))
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name}: expected shape {shape}, got {tuple(t.shape)}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name}: expected a contiguous tensor; call .contiguous()")
+        return TensorView(t.data_ptr(), _weft.DTYPES["bf16"], tuple(t.shape), t.stride())
+
+    def forward(self, x, topk_idx, topk_weights, gate_up, down, out=None, *, fused=True, comm_sms=0):
+        """x: bf16 [T, hidden]; topk_idx: int32 [T, topk] (-1 drops a slot; ids outside [-1, num_experts) and repeats
+        within a token are dropped and reported by check()); topk_weights: float32 [T, topk]; gate_up: bf16
+        [num_local_experts, 2 * ffn, hidden]; down: bf16 [num_local_experts, hidden, ffn]; out: bf16 [T, hidden]
+        (allocated when None). fused=False runs the separate ops one after another (the same bits). comm_sms: blocks of
+        the dispatch and combine (0: chosen). A receive-capacity overflow moves nothing, gives zeros and is raised by
+        check(). Returns out."""
+        torch = torch_module()
+        op = self._get()
+        el = self.num_local_experts
+        xv, iv, wv = _routing_views(self._ctx, x, topk_idx, topk_weights)
+        gv = self._weight(gate_up, "gate_up", (el, 2 * self.ffn, self.hidden))
+        dv = self._weight(down, "down", (el, self.hidden, self.ffn))
+        if out is None:
+            out = torch.empty((x.shape[0], self.hidden), dtype=torch.bfloat16, device=x.device)
+        ov = _view(out, "out", self._ctx, torch.bfloat16)
+        op.forward(xv, iv, wv, gv, dv, ov, _stream(self._ctx), fused=bool(fused), comm_sms=comm_sms)
+        return written(out)
+
+    __call__ = forward
+
+    @property
+    def num_local_experts(self):
+        return self._get().num_local_experts
+
+    @property
+    def max_recv_rows(self):
+        return self._get().max_recv_rows
+
+    @property
+    def up_config(self):
+        """The up-projection's grouped GEMM config (its name)."""
+        return self._get().up_config
+
+    @property
+    def down_config(self):
+        return self._get().down_config
+
+    @property
+    def expert_counts(self):
+        """int32 [num_local_experts]: the rows each local expert received in the last forward (a zero-copy view)."""
+        return _tensor(self._get().expert_counts, self._world)
+
+    @property
+    def expert_offsets(self):
+        """int32 [num_local_experts + 1]: where each local expert's rows start in the intermediates (zero-copy)."""
+        return _tensor(self._get().expert_offsets, self._world)
+
+    @property
+    def gate_up_out(self):
+        """bf16 [max_recv_rows, 2 * ffn]: the last forward's up-projection (valid rows: the expert segments)."""
+        return _tensor(self._get().gate_up_out, self._world)
+
+    @property
+    def activation(self):
+        return _tensor(self._get().activation, self._world)
+
+    @property
+    def expert_out(self):
+        return _tensor(self._get().expert_out, self._world)
+
+    def check(self):
+        """Raises weft.Error for an error a kernel reported (capacity overflow, bad expert index, bad counts)."""
         self._get().check()
 
     def sync_and_check(self):
