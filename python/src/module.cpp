@@ -22,6 +22,7 @@
 #include "weft/ops/ag_gemm.hpp"
 #include "weft/ops/all_gather.hpp"
 #include "weft/ops/all_reduce.hpp"
+#include "weft/ops/all_to_all.hpp"
 #include "weft/ops/attention.hpp"
 #include "weft/ops/collectives.hpp"
 #include "weft/ops/gemm.hpp"
@@ -475,6 +476,26 @@ NB_MODULE(_weft, m) {
           }),
           "world"_a, "input"_a, "input_numel"_a, "output"_a, "output_numel"_a, "dtype"_a, "stream"_a, "algo"_a = 0,
           "team"_a = nb::none());
+    m.def("all_to_all_flat",
+          interruptibly([](PyWorld& w, uintptr_t input, uintptr_t output, int64_t numel, int dtype, uintptr_t stream,
+                           const PyTeam* team) {
+              const WorldUse world = w.use();
+              DeviceScope scope(world->device());
+              ops::all_to_all(team_of(w, world, team), flat_view(input, dtype, numel), flat_view(output, dtype, numel),
+                              as_stream(stream));
+          }),
+          "world"_a, "input"_a, "output"_a, "numel"_a, "dtype"_a, "stream"_a, "team"_a = nb::none());
+    m.def("all_to_all_v_flat",
+          interruptibly([](PyWorld& w, uintptr_t input, int64_t input_numel, const std::vector<int64_t>& send_counts,
+                           uintptr_t output, int64_t output_numel, const std::vector<int64_t>& recv_counts, int dtype,
+                           uintptr_t stream, const PyTeam* team) {
+              const WorldUse world = w.use();
+              DeviceScope scope(world->device());
+              ops::all_to_all_v(team_of(w, world, team), flat_view(input, dtype, input_numel), send_counts,
+                                flat_view(output, dtype, output_numel), recv_counts, as_stream(stream));
+          }),
+          "world"_a, "input"_a, "input_numel"_a, "send_counts"_a, "output"_a, "output_numel"_a, "recv_counts"_a,
+          "dtype"_a, "stream"_a, "team"_a = nb::none());
     // Benchmark support: `iters` back-to-back all_reduce calls made from C++ (no Python between them); returns the
     // host seconds they took, the floor the Python layers are measured against (bench/python/bench_overhead.py).
     m.def("time_all_reduce_calls",

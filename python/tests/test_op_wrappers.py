@@ -33,7 +33,8 @@ def _team(is_member=True):
 def calls(monkeypatch):
     """The extension's calls, recorded as (name, arguments); the World's device is the CPU for the checks."""
     made = []
-    for name in ("all_reduce_flat", "all_gather_flat", "reduce_scatter_flat", "count_refused_collective_call"):
+    for name in ("all_reduce_flat", "all_gather_flat", "reduce_scatter_flat", "all_to_all_flat", "all_to_all_v_flat",
+                 "count_refused_collective_call"):
         monkeypatch.setattr(_weft, name, lambda *args, _name=name: made.append((_name, args)))
     state = _runtime._State(_StandInWorld(), None, None)
     ctx = state.call_context = _tensor.CallContext(state.world)
@@ -453,3 +454,40 @@ def test_ep_moe_block_passes_its_weights_and_refuses_bad_ones_naming_them(calls,
     with pytest.raises(TypeError, match="topk_weights: expected dtype float32, got bfloat16"):
         block(x, idx, weights.bfloat16(), gate_up, down)
     assert len(block._op.forwards) == 1 and calls == []
+
+
+def test_all_to_all_passes_its_chunks_and_counts_the_calls_it_refuses(calls):
+    x = torch.zeros(4, 3, dtype=torch.bfloat16)
+    out = weft.all_to_all(x)
+    assert out.shape == (4, 3) and out.dtype == torch.bfloat16
+    name, (_, ptr, out_ptr, numel, code, stream, team) = calls.pop()
+    assert (name, ptr, out_ptr, numel, code, stream, team) == ("all_to_all_flat", x.data_ptr(), out.data_ptr(), 12,
+                                                               _weft.DTYPES["bf16"], _STREAM, None)
+    with pytest.raises(ValueError, match=r"tensor: expected dim 0 a multiple of the 2 ranks, got shape \(3, 4\)"):
+        weft.all_to_all(torch.zeros(3, 4))
+    with pytest.raises(ValueError, match="out: expected 12 elements, got 6"):
+        weft.all_to_all(x, torch.zeros(2, 3, dtype=torch.bfloat16))
+    assert [c[0] for c in calls] == ["count_refused_collective_call"] * 2
+
+
+def test_all_to_all_v_passes_counts_in_elements_and_refuses_bad_splits_naming_them(calls):
+    x = torch.zeros(5, 3, dtype=torch.float64)  # no weft dtype: moved as bytes, counts in bytes
+    out = weft.all_to_all_v(x, [2, 3], [2, 4])
+    assert out.shape == (6, 3) and out.dtype == torch.float64
+    name, (_, ptr, numel, send, out_ptr, out_numel, recv, code, stream, team) = calls.pop()
+    assert (name, numel, send, out_numel, recv, code) == ("all_to_all_v_flat", 5 * 3 * 8, [48, 72], 6 * 3 * 8,
+                                                          [48, 96], _weft.DTYPES["u8"])
+    empty = torch.zeros(0, 2, dtype=torch.int32)
+    weft.all_to_all_v(empty, [0, 0], [1, 2])
+    name, (_, _, numel, send, _, out_numel, recv, code, _, _) = calls.pop()
+    assert (numel, send, out_numel, recv, code) == (0, [0, 0], 6, [2, 4], _weft.DTYPES["i32"])
+    with pytest.raises(ValueError, match=r"send_counts: expected rows summing to tensor's 5 \(dim 0\), got \[2, 2\]"):
+        weft.all_to_all_v(x, [2, 2], [2, 2])
+    with pytest.raises(ValueError, match=r"recv_counts: expected 2 non-negative integers \(one per rank\), got "
+                                         r"\[1, -1\]"):
+        weft.all_to_all_v(x, [2, 3], [1, -1])
+    with pytest.raises(TypeError, match="send_counts: expected a sequence of 2 integers"):
+        weft.all_to_all_v(x, [2.0, 3], [2, 3])
+    with pytest.raises(ValueError, match="tensor: expected at least one dimension"):
+        weft.all_to_all_v(torch.zeros(()), [0, 0], [0, 0])
+    assert [c[0] for c in calls] == ["count_refused_collective_call"] * 4

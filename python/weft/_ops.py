@@ -3,6 +3,9 @@
 
 Per call, the collectives read the World's constants (device, dtype tables, algorithm codes, torch's current-stream
 lookup) from its CallContext and pass contiguous tensors to the extension as pointers and element counts."""
+import math
+import operator
+
 from . import _runtime, _weft
 from ._tensor import (CallContext, bytes_arg, check_tensor, dtype_code, flat_arg, heap_tensor, matrix_view, out_arg,
                       torch_module, written)
@@ -122,6 +125,76 @@ def reduce_scatter(tensor, out=None, *, algo="auto", team=None):
                               algo_code, cpp_team)
     return written(out)
 
+
+def all_to_all(tensor, out=None, *, team=None):
+    """Every rank's `tensor` split into num_ranks equal chunks along dim 0; out's chunk q (in rank order) is rank q's
+    chunk `rank` (torch.distributed.all_to_all_single with equal splits). Contiguous, any dtype (the op moves bytes;
+    quantized tensors and conjugate or negative views refused), dim 0 a multiple of num_ranks; out: tensor's shape and
+    dtype, apart from it, allocated when None. Returns out. Collective; on torch's current stream. A symmetric tensor
+    (weft.empty) is read by the peers in place; any other is staged through the collective workspace."""
+    ctx, cpp_team = _context(team, "all_to_all")
+    try:
+        ptr, count, code = bytes_arg(tensor, "tensor", ctx)
+        n = ctx.num_ranks if cpp_team is None else cpp_team.num_ranks
+        shape = tuple(tensor.shape)
+        if not shape or shape[0] % n != 0:
+            raise ValueError(f"tensor: expected dim 0 a multiple of the {n} ranks, got shape {shape}")
+        if out is not None:
+            out_ptr = out_arg(out, "out", ctx, tensor.dtype, tensor.numel())
+    except (TypeError, ValueError):
+        _refused(ctx, cpp_team)
+        raise
+    if out is None:
+        out = torch_module().empty(shape, dtype=tensor.dtype, device=tensor.device)
+        out_ptr = out.data_ptr()
+    _weft.all_to_all_flat(ctx.world, ptr, out_ptr, count, code, ctx.stream(ctx.device_index), cpp_team)
+    return written(out)
+
+
+def _split_sizes(counts, name, n):
+    """A list of n non-negative ints (rows along dim 0), or TypeError / ValueError naming the argument."""
+    try:
+        values = [operator.index(c) for c in counts]
+    except TypeError:
+        raise TypeError(f"{name}: expected a sequence of {n} integers (rows along dim 0), got {counts!r}") from None
+    if len(values) != n or any(c < 0 for c in values):
+        raise ValueError(f"{name}: expected {n} non-negative integers (one per rank), got {values}")
+    return values
+
+
+def all_to_all_v(tensor, send_counts, recv_counts, out=None, *, team=None):
+    """Uneven splits along dim 0 (torch.distributed.all_to_all_single with split sizes): this rank sends rows
+    [sum(send_counts[:q]), + send_counts[q]) of `tensor` to rank q and receives recv_counts[q] rows from rank q, back to
+    back in rank order, into out [sum(recv_counts), *tensor.shape[1:]] (allocated when None). Rank q's
+    send_counts[rank] must equal this rank's recv_counts[q] (checked across ranks before anything is read: weft.Error
+    naming both counts). tensor contiguous with sum(send_counts) rows, any dtype, as all_to_all; a tensor that is not
+    symmetric is staged in one piece (at most the collective workspace's staging bytes, 32 MiB by default; larger
+    inputs must be symmetric: weft.empty). Returns out. Collective; on torch's current stream."""
+    ctx, cpp_team = _context(team, "all_to_all_v")
+    try:
+        ptr, count, code = bytes_arg(tensor, "tensor", ctx)
+        n = ctx.num_ranks if cpp_team is None else cpp_team.num_ranks
+        shape = tuple(tensor.shape)
+        if not shape:
+            raise ValueError("tensor: expected at least one dimension (rows along dim 0), got a 0-d tensor")
+        send = _split_sizes(send_counts, "send_counts", n)
+        recv = _split_sizes(recv_counts, "recv_counts", n)
+        if sum(send) != shape[0]:
+            raise ValueError(f"send_counts: expected rows summing to tensor's {shape[0]} (dim 0), got {send}")
+        as_bytes = tensor.dtype not in ctx.all_dtypes  # moved as u8 (bytes_arg): counts in bytes
+        row = math.prod(shape[1:]) * (tensor.element_size() if as_bytes else 1)  # elements of `code` per row
+        out_shape = (sum(recv), *shape[1:])
+        if out is not None:
+            out_ptr = out_arg(out, "out", ctx, tensor.dtype, math.prod(out_shape))
+    except (TypeError, ValueError):
+        _refused(ctx, cpp_team)
+        raise
+    if out is None:
+        out = torch_module().empty(out_shape, dtype=tensor.dtype, device=tensor.device)
+        out_ptr = out.data_ptr()
+    _weft.all_to_all_v_flat(ctx.world, ptr, count, [c * row for c in send], out_ptr, sum(recv) * row,
+                            [c * row for c in recv], code, ctx.stream(ctx.device_index), cpp_team)
+    return written(out)
 
 def _empty_out(rows, n, dtype, device):
     """An output [rows, n] for a kernel whose row stride must be a multiple of 16 bytes (TMA): (the view to write,

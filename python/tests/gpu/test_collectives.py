@@ -168,3 +168,48 @@ def test_a_weft_write_bumps_the_version_so_a_saved_tensor_fails_in_backward(rank
     version = out._version
     weft.all_reduce(torch.ones(64, device="cuda"), out)
     assert out._version > version
+
+
+def _rows_of(rank, rows, cols, dtype, seed):
+    """Rank `rank`'s input: computable on every rank (the all-to-all references need no collective of torch's)."""
+    return _integers(rows * cols, dtype, rank, seed).view(rows, cols)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int8])
+@pytest.mark.parametrize("rows_per_rank,symmetric", [(1, False), (37, False), (4096, True)])
+def test_all_to_all_against_every_ranks_chunks(rank, num_ranks, dtype, rows_per_rank, symmetric):
+    cols = 24
+    x = _rows_of(rank, num_ranks * rows_per_rank, cols, dtype, 7)
+    if symmetric:
+        sym = weft.empty(tuple(x.shape), dtype if dtype != torch.int8 else torch.uint8)
+        sym.view(dtype).copy_(x)
+        x = sym.view(dtype)
+    try:
+        out = torch.full_like(x, 99)
+        assert weft.all_to_all(x, out) is out
+        torch.cuda.synchronize()
+        mine = slice(rank * rows_per_rank, (rank + 1) * rows_per_rank)
+        want = torch.cat([_rows_of(q, num_ranks * rows_per_rank, cols, dtype, 7)[mine] for q in range(num_ranks)])
+        assert torch.equal(out, want)
+    finally:
+        if symmetric:
+            weft.free(sym)
+
+
+def _splits(q, num_ranks, seed):
+    """Rank q's rows for each rank (0 included), computable on every rank."""
+    g = torch.Generator()
+    g.manual_seed(seed * 100 + q)
+    return torch.randint(0, 9, (num_ranks,), generator=g).tolist()
+
+
+def test_all_to_all_v_against_every_ranks_rows(rank, num_ranks):
+    cols, dtype = 10, torch.bfloat16
+    sends = [_splits(q, num_ranks, 8) for q in range(num_ranks)]
+    inputs = [_rows_of(q, sum(sends[q]), cols, dtype, 9) for q in range(num_ranks)]
+    recv = [sends[q][rank] for q in range(num_ranks)]
+    out = weft.all_to_all_v(inputs[rank], sends[rank], recv)
+    torch.cuda.synchronize()
+    starts = [[sum(s[:r]) for r in range(num_ranks)] for s in sends]
+    want = torch.cat([inputs[q][starts[q][rank]:starts[q][rank] + sends[q][rank]] for q in range(num_ranks)])
+    assert out.shape == (sum(recv), cols) and torch.equal(out, want)
