@@ -151,6 +151,7 @@ struct PyStoreAdapter {
 using PyAgGemm = PyOp<ops::AgGemm>;
 using PyGemmRs = PyOp<ops::GemmRs>;
 using PyGemmAr = PyOp<ops::GemmAr>;
+using PyAgAttention = PyOp<ops::AgAttention>;
 
 WorldOptions make_options(int device, uint64_t heap_bytes, int sm_budget, int64_t timeout_ms) {
     WorldOptions o;
@@ -751,6 +752,41 @@ NB_MODULE(_weft, m) {
         .def_prop_ro("k", [](const PyGemmAr& op) { return op.use()->shape().k; })
         .def_prop_ro("closed", [](const PyGemmAr& op) { return op.op.closed(); })
         .def("close", &PyGemmAr::close);
+
+    nb::class_<PyAgAttention>(m, "AgAttention")
+        .def(
+            "__init__",
+            [](PyAgAttention* self, PyWorld& w, int64_t max_seq, int64_t num_q_heads, int64_t num_kv_heads,
+               int64_t head_dim, int dtype, bool causal, std::optional<float> scale, int sm_budget,
+               const PyTeam* team) {
+                const WorldUse world = w.use();      // held until the op is counted: World.close() waits for it
+                DeviceScope scope(world->device());  // the op's streams, events and memory on the World's GPU
+                ops::AgAttentionShape shape{max_seq,         num_q_heads,
+                                            num_kv_heads,    head_dim,
+                                            as_dtype(dtype), causal ? AttentionMask::kCausal : AttentionMask::kNone};
+                ops::AgAttentionOptions o;
+                o.scale = scale;
+                o.sm_budget = sm_budget;
+                std::unique_ptr<ops::AgAttention> op = interruptible(w.h.get(), [&] {
+                    return team ? std::make_unique<ops::AgAttention>(team->get(&w.h), shape, o)
+                                : std::make_unique<ops::AgAttention>(*world, shape, o);
+                });
+                new (self) PyAgAttention(w.h, world->device(), std::move(op), "AgAttention");
+            },
+            "world"_a, "max_seq"_a, "num_q_heads"_a, "num_kv_heads"_a, "head_dim"_a, "dtype"_a, "causal"_a = true,
+            "scale"_a.none() = nb::none(), "sm_budget"_a = 0, "team"_a = nb::none())
+        .def("run", interruptibly([](PyAgAttention& op, const TensorView& q, const TensorView& k, const TensorView& v,
+                                     const TensorView& out, const std::optional<TensorView>& lse, uintptr_t stream) {
+                 const auto use = op.use();
+                 DeviceScope scope(op.device);
+                 use->run(q, k, v, out, lse ? *lse : TensorView(), as_stream(stream));
+             }))
+        .def("gathered_k", [](const PyAgAttention& op, int64_t seq) { return op.use()->gathered_k(seq); })
+        .def("gathered_v", [](const PyAgAttention& op, int64_t seq) { return op.use()->gathered_v(seq); })
+        .def("local_k", [](const PyAgAttention& op, int64_t seq) { return op.use()->local_k(seq); })
+        .def("local_v", [](const PyAgAttention& op, int64_t seq) { return op.use()->local_v(seq); })
+        .def_prop_ro("closed", [](const PyAgAttention& op) { return op.op.closed(); })
+        .def("close", &PyAgAttention::close);
 
     // CPU-only checks the ops run before they touch a GPU (tests and argument errors without a World).
     m.def("validate_ag_gemm_shape", [](int64_t max_m, int64_t n, int64_t k, int dtype, int num_ranks) {

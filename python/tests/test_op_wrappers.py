@@ -491,3 +491,29 @@ def test_all_to_all_v_passes_counts_in_elements_and_refuses_bad_splits_naming_th
     with pytest.raises(ValueError, match="tensor: expected at least one dimension"):
         weft.all_to_all_v(torch.zeros(()), [0, 0], [0, 0])
     assert [c[0] for c in calls] == ["count_refused_collective_call"] * 4
+
+
+def test_ag_attention_passes_its_views_and_refuses_bad_shapes_naming_them(calls):
+    op = object.__new__(weft.AgAttention)
+    op._op, op._ctx, op._team = _StandInOp(), _runtime._state.call_context, None
+    op.dtype, op.max_seq, op.num_q_heads, op.num_kv_heads, op.head_dim, op.num_ranks = torch.bfloat16, 32, 4, 2, 64, 2
+    q, kv = _zeros(8, 4, 64), _zeros(8, 2, 64)
+    out, lse = op.run(q, kv, kv, return_lse=True)
+    assert out.shape == (8, 4, 64) and lse.shape == (8, 4) and lse.dtype == torch.float32
+    (qv, kv_, vv, ov, lv, stream), = op._op.runs
+    assert [tuple(v.shape) for v in (qv, kv_, vv, ov, lv)] == [(8, 4, 64), (8, 2, 64), (8, 2, 64), (8, 4, 64), (8, 4)]
+    assert stream == _STREAM
+    assert op.run(q, kv, kv).shape == (8, 4, 64) and op._op.runs[-1][4] is None
+    with pytest.raises(ValueError, match=r"k_local: expected shape \[S / W, 2, 64\], got \(8, 4, 64\)"):
+        op.run(q, q, kv)
+    with pytest.raises(ValueError, match=r"v_local: expected q_local's 8 rows, got shape \(7, 2, 64\)"):
+        op.run(q, kv, kv[:7])
+    with pytest.raises(ValueError, match=r"q_local: expected 1 to 16 rows \(max_seq / ranks\), got 17"):
+        op.run(_zeros(17, 4, 64), _zeros(17, 2, 64), _zeros(17, 2, 64))
+    with pytest.raises(TypeError, match="q_local: expected dtype bfloat16, got float16"):
+        op.run(q.half(), kv, kv)
+    with pytest.raises(TypeError, match="dtype: expected torch.bfloat16 or torch.float16, got torch.float32"):
+        weft.AgAttention(32, 4, 2, 64, torch.float32)
+    with pytest.raises(ValueError, match=r"head_dim: expected an integer in \[1, 2147483647\], got 0"):
+        weft.AgAttention(32, 4, 2, 0)
+    assert len(op._op.runs) == 2 and calls == []

@@ -38,7 +38,7 @@ if "WEFT_HOME" not in _os.environ and _os.path.isfile(
 from ._runtime import (Team, finalize, init, is_initialized, num_ranks, rank, world)  # noqa: E402
 from ._tensor import empty, free, is_symmetric  # noqa: E402
 from . import ep  # noqa: E402
-from ._attention import (attention_status, check_attention_status, decode_attention,  # noqa: E402
+from ._attention import (AgAttention, attention_status, check_attention_status, decode_attention,  # noqa: E402
                          decode_attention_workspace_bytes, flash_attention, sp_decode_attention)
 from ._moe import (MoeAgGroupedGemm, MoeGroupedGemmRs, MoeRouting, check_grouped_status,  # noqa: E402
                    check_moe_routing_status, grouped_gemm, grouped_status, moe_gathered_rows, moe_route,
@@ -52,7 +52,7 @@ __all__ = [
     "Error", "TensorView", "Team", "init", "finalize", "is_initialized", "world", "rank", "num_ranks", "empty",
     "free", "is_symmetric", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_to_all_v", "gemm",
     "ag_gemm", "gemm_rs", "gemm_ar", "AgGemm", "GemmRs", "GemmAr", "ep", "flash_attention", "decode_attention",
-    "decode_attention_workspace_bytes", "sp_decode_attention", "attention_status", "check_attention_status",
-    "grouped_gemm", "grouped_status", "check_grouped_status", "MoeRouting", "moe_route", "moe_gathered_rows",
-    "moe_routing_status", "check_moe_routing_status", "MoeAgGroupedGemm", "MoeGroupedGemmRs",
+    "decode_attention_workspace_bytes", "sp_decode_attention", "AgAttention", "attention_status",
+    "check_attention_status", "grouped_gemm", "grouped_status", "check_grouped_status", "MoeRouting", "moe_route",
+    "moe_gathered_rows", "moe_routing_status", "check_moe_routing_status", "MoeAgGroupedGemm", "MoeGroupedGemmRs",
 ]

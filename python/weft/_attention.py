@@ -2,12 +2,12 @@
 """weft's attention ops on torch tensors. flash_attention and decode_attention are local ops: they run on the GPU their
 tensors are on and need no weft.init; each call is enqueued on torch's current CUDA stream of that device
 (asynchronous, graph-capturable; the first flash_attention call on a device waits once on the host for weft's work
-counters to be zeroed). sp_decode_attention is a collective of the World (weft.init first)."""
+counters to be zeroed). sp_decode_attention and AgAttention are collectives of the World (weft.init first)."""
 import operator
 
 from . import _tensor, _weft
 from ._weft import Error
-from ._ops import _context, _refused
+from ._ops import _FusedOp, _context, _fused_dtype, _refused
 from ._tensor import dtype_code, torch_module
 
 
@@ -248,3 +248,77 @@ def decode_attention_workspace_bytes(batch, num_q_heads, num_kv_heads, head_dim,
         index = torch.cuda.current_device()
     return _weft.decode_attention_workspace_bytes(int(batch), int(num_q_heads), int(num_kv_heads), int(head_dim),
                                                   int(max_seq_len), int(num_splits), index)
+
+
+class AgAttention(_FusedOp):
+    """Sequence-parallel prefill attention (AllGather + attention, weft::ops::AgAttention): every rank holds S / W
+    consecutive tokens of one sequence (rank r: global positions [r * S / W, (r + 1) * S / W)) and gets the attention of
+    its queries over the whole sequence's keys, each peer's K / V shard consumed as it arrives. Collective to make
+    (over the World, or `team`'s members, one node) and to close; run() on torch's current stream, collective with the
+    same S on every rank. max_seq: the largest S, a multiple of the team's size; num_q_heads a multiple of
+    num_kv_heads (at most 16 q-heads per KV head); head_dim 64 or 128; dtype torch.bfloat16 (default) or
+    torch.float16; causal: keys at global positions <= the query's (False: every key); scale: default
+    1 / sqrt(head_dim); sm_budget: blocks of the attention kernel (0: the World's budget)."""
+    _kind = "AgAttention"
+
+    def __init__(self, max_seq, num_q_heads, num_kv_heads, head_dim=128, dtype=None, *, causal=True, scale=None,
+                 sm_budget=0, team=None):
+        self.dtype = _fused_dtype(dtype)
+        code = dtype_code(self.dtype)
+        values = {"max_seq": max_seq, "num_q_heads": num_q_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
+        values = {name: _number(v, name, int, bounds=(1, _INT32[1])) for name, v in values.items()}
+        scale = _number(scale, "scale", float, none=True)
+        sm_budget = _number(sm_budget, "sm_budget", int, bounds=(0, _INT32[1]))
+        super().__init__(lambda w: _weft.AgAttention(w, **values, dtype=code, causal=bool(causal), scale=scale,
+                                                     sm_budget=sm_budget, team=self._team), team)
+        for name, v in values.items():
+            setattr(self, name, v)
+        self.causal = bool(causal)
+
+    def run(self, q_local, k_local, v_local, out=None, *, return_lse=False):
+        """q_local [S / W, num_q_heads, head_dim] (innermost stride 1, the others multiples of 8); k_local, v_local
+        [S / W, num_kv_heads, head_dim] (heads and dims contiguous; local_k(S) / local_v(S) skip the local copy); out
+        [S / W, num_q_heads, head_dim] contiguous, allocated when None. Returns out, or (out, lse) when return_lse (lse
+        float32 [S / W, num_q_heads], natural log)."""
+        torch = torch_module()
+        op = self._get()
+        ctx = self._ctx
+        rows = None
+        for t, name, heads in ((q_local, "q_local", self.num_q_heads), (k_local, "k_local", self.num_kv_heads),
+                               (v_local, "v_local", self.num_kv_heads)):
+            _tensor.check_tensor(t, name, ctx, (self.dtype,))
+            if t.dim() != 3 or t.shape[1] != heads or t.shape[2] != self.head_dim:
+                raise ValueError(f"{name}: expected shape [S / W, {heads}, {self.head_dim}], got {tuple(t.shape)}")
+            if rows is None:
+                rows = t.shape[0]
+            elif t.shape[0] != rows:
+                raise ValueError(f"{name}: expected q_local's {rows} rows, got shape {tuple(t.shape)}")
+        if rows < 1 or rows * self.num_ranks > self.max_seq:
+            raise ValueError(f"q_local: expected 1 to {self.max_seq // self.num_ranks} rows (max_seq / ranks), got "
+                             f"{rows}")
+        out = _output(out, "out", q_local, (rows, self.num_q_heads, self.head_dim), self.dtype)
+        lse = torch.empty((rows, self.num_q_heads), dtype=torch.float32, device=q_local.device) if return_lse else None
+        op.run(_view(q_local, "q_local"), _view(k_local, "k_local"), _view(v_local, "v_local"), _view(out, "out"),
+               _view(lse, "lse") if lse is not None else None, ctx.stream(ctx.device_index))
+        _tensor.written(out)
+        return (out, lse) if return_lse else out
+
+    def _buffer(self, view):
+        return _tensor.heap_tensor(view, self._world, self.dtype)
+
+    def local_k(self, seq):
+        """[seq / W, num_kv_heads, head_dim] over this rank's K shard inside the op's gathered buffer (zero copy):
+        writing the K projection here and passing it as k_local skips run's local copy (valid until the op is
+        closed)."""
+        return self._buffer(self._get().local_k(int(seq)))
+
+    def local_v(self, seq):
+        return self._buffer(self._get().local_v(int(seq)))
+
+    def gathered_k(self, seq):
+        """[seq, num_kv_heads, head_dim]: the gathered keys after a run with S = seq (all shards without the mask,
+        shards 0..rank under the causal mask), until the next run."""
+        return self._buffer(self._get().gathered_k(int(seq)))
+
+    def gathered_v(self, seq):
+        return self._buffer(self._get().gathered_v(int(seq)))

@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: MIT
-# weft.flash_attention, weft.decode_attention and weft.sp_decode_attention on torch tensors against fp32 references
-# computed with torch (softmax over masked scores), outputs poisoned with NaN first. The local ops: each rank checks
-# its own GPU; sp_decode_attention: every rank holds a shard of each sequence and checks the whole sequence's result.
+# weft.flash_attention, weft.decode_attention, weft.sp_decode_attention and weft.AgAttention on torch tensors against
+# fp32 references computed with torch (softmax over masked scores), outputs poisoned with NaN first. The local ops:
+# each rank checks its own GPU; sp_decode_attention and AgAttention: every rank holds a shard of each sequence and
+# checks the whole sequence's result.
 import math
 
 import pytest
@@ -261,3 +262,34 @@ def test_sp_decode_attention_status_and_refused_arguments(rank, num_ranks):
             weft.check_attention_status(status)
     else:
         assert status.tolist() == [0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("rows,hq,hkv,d,causal,dtype", [(1, 4, 1, 64, True, torch.bfloat16),
+                                                        (77, 8, 2, 128, True, torch.bfloat16),
+                                                        (130, 6, 3, 64, False, torch.float16)])
+def test_ag_attention_matches_the_whole_sequence(rank, num_ranks, rows, hq, hkv, d, causal, dtype):
+    s = rows * num_ranks
+    q, k, v = _randn((s, hq, d), dtype, 11), _randn((s, hkv, d), dtype, 12), _randn((s, hkv, d), dtype, 13)
+    mine = slice(rank * rows, (rank + 1) * rows)
+    want, want_lse = _reference(q[mine], k, v, causal, 1.0 / math.sqrt(d), rank * rows)
+    op = weft.AgAttention(s, hq, hkv, d, dtype, causal=causal)
+    try:
+        out = torch.full_like(q[mine], float("nan"))
+        got, lse = op.run(q[mine], k[mine], v[mine], out, return_lse=True)
+        torch.cuda.synchronize()
+        weft.world().sync_and_check()
+        assert got is out and lse.shape == (rows, hq)
+        assert rel_error(out, want) < TOL[dtype]
+        assert torch.allclose(lse, want_lse, atol=2e-2, rtol=1e-3)
+        # K and V written into the op's own shard buffers (no local copy), the output allocated.
+        op.local_k(s).copy_(k[mine])
+        op.local_v(s).copy_(v[mine])
+        again = op.run(q[mine], op.local_k(s), op.local_v(s))
+        torch.cuda.synchronize()
+        assert rel_error(again, want) < TOL[dtype]
+        seen = rank + 1 if causal else num_ranks
+        assert torch.equal(op.gathered_k(s)[:seen * rows], k[:seen * rows])
+        with pytest.raises(ValueError, match="k_local: expected shape"):
+            op.run(q[mine], k[mine, :1], v[mine])
+    finally:
+        op.close()
