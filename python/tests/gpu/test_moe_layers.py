@@ -93,7 +93,7 @@ def test_tp_moe_layers_against_torch(rank, num_ranks, tokens_per_rank, hidden, f
         out32 = torch.full((tokens_per_rank, hidden), float("nan"), device="cuda")
         down.run(y, w_down[:, :, shard].contiguous(), up.routing, topk_weights, out32)
         torch.cuda.synchronize()
-        weft.world().sync_and_check()
+        weft.world().sync_and_check(torch.cuda.current_stream().cuda_stream)
         up.check_routing()
         routing = up.routing
         assert routing.tokens == m
