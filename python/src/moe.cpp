@@ -40,8 +40,8 @@ ops::MoeRouting routing_of(const TensorView& counts, const TensorView& offsets, 
                            const TensorView& slot_rows, int64_t tokens, int64_t topk) {
     WEFT_CHECK(counts.ndim == 1, "routing.counts: expected a 1-D tensor, got " << counts.describe());
     WEFT_CHECK(gather_index.ndim == 1, "routing.gather_index: expected a 1-D tensor, got " << gather_index.describe());
-    WEFT_CHECK(tokens >= 0 && topk >= 0,
-               "routing: tokens and topk must be non-negative, got " << tokens << " and " << topk);
+    WEFT_CHECK(tokens >= 0 && tokens <= INT32_MAX && topk >= 0 && topk <= INT32_MAX,
+               "routing: tokens and topk must be in [0, 2^31), got " << tokens << " and " << topk);
     ops::MoeRouting r;
     r.num_experts = counts.dim(0);
     r.rows_capacity = gather_index.dim(0);
