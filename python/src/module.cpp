@@ -497,6 +497,19 @@ NB_MODULE(_weft, m) {
           }),
           "world"_a, "input"_a, "input_numel"_a, "send_counts"_a, "output"_a, "output_numel"_a, "recv_counts"_a,
           "dtype"_a, "stream"_a, "team"_a = nb::none());
+    m.def("ulysses",
+          interruptibly([](PyWorld& w, const TensorView& input, const TensorView& output, const TensorView& scratch,
+                           bool seq_to_head, uintptr_t stream, const PyTeam* team) {
+              const WorldUse world = w.use();
+              DeviceScope scope(world->device());
+              const Team& t = team_of(w, world, team);
+              if (seq_to_head) {
+                  ops::ulysses_seq_to_head(t, input, output, scratch, as_stream(stream));
+              } else {
+                  ops::ulysses_head_to_seq(t, input, output, scratch, as_stream(stream));
+              }
+          }),
+          "world"_a, "input"_a, "output"_a, "scratch"_a, "seq_to_head"_a, "stream"_a, "team"_a = nb::none());
     // Benchmark support: `iters` back-to-back all_reduce calls made from C++ (no Python between them); returns the
     // host seconds they took, the floor the Python layers are measured against (bench/python/bench_overhead.py).
     m.def("time_all_reduce_calls",

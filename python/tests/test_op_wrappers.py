@@ -34,7 +34,7 @@ def calls(monkeypatch):
     """The extension's calls, recorded as (name, arguments); the World's device is the CPU for the checks."""
     made = []
     for name in ("all_reduce_flat", "all_gather_flat", "reduce_scatter_flat", "all_to_all_flat", "all_to_all_v_flat",
-                 "count_refused_collective_call"):
+                 "ulysses", "count_refused_collective_call"):
         monkeypatch.setattr(_weft, name, lambda *args, _name=name: made.append((_name, args)))
     state = _runtime._State(_StandInWorld(), None, None)
     ctx = state.call_context = _tensor.CallContext(state.world)
@@ -517,3 +517,23 @@ def test_ag_attention_passes_its_views_and_refuses_bad_shapes_naming_them(calls)
     with pytest.raises(ValueError, match=r"head_dim: expected an integer in \[1, 2147483647\], got 0"):
         weft.AgAttention(32, 4, 2, 0)
     assert len(op._op.runs) == 2 and calls == []
+
+
+def test_ulysses_reshards_with_a_scratch_and_refuses_shapes_that_do_not_split(calls):
+    x = torch.zeros(3, 4, 8, dtype=torch.bfloat16)
+    out = weft.ulysses_seq_to_head(x)
+    assert out.shape == (6, 2, 8)
+    name, (_, xv, ov, sv, seq_to_head, stream, team) = calls.pop()
+    assert (name, seq_to_head, stream, team) == ("ulysses", True, _STREAM, None)
+    assert [tuple(v.shape) for v in (xv, ov, sv)] == [(3, 4, 8), (6, 2, 8), (3, 4, 8)] and sv.ptr != xv.ptr
+    back = weft.ulysses_head_to_seq(out)
+    assert back.shape == (3, 4, 8) and calls.pop()[1][4] is False
+    with pytest.raises(ValueError, match=r"x: expected \[S / W, H, D\] with H a multiple of the 2 ranks"):
+        weft.ulysses_seq_to_head(torch.zeros(3, 5, 8))
+    with pytest.raises(ValueError, match=r"x: expected \[S, H / W, D\] with S a multiple of the 2 ranks"):
+        weft.ulysses_head_to_seq(torch.zeros(3, 5, 8))
+    with pytest.raises(ValueError, match="x: expected a contiguous 3-D tensor"):
+        weft.ulysses_seq_to_head(x.transpose(0, 1))
+    with pytest.raises(ValueError, match=r"out: expected a contiguous tensor of shape \(6, 2, 8\)"):
+        weft.ulysses_seq_to_head(x, torch.zeros(3, 4, 8, dtype=torch.bfloat16))
+    assert [c[0] for c in calls] == ["count_refused_collective_call"] * 4

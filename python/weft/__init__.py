@@ -44,15 +44,16 @@ from ._moe import (MoeAgGroupedGemm, MoeGroupedGemmRs, MoeRouting, check_grouped
                    check_moe_routing_status, grouped_gemm, grouped_status, moe_gathered_rows, moe_route,
                    moe_routing_status)
 from ._ops import (AgGemm, GemmAr, GemmRs, ag_gemm, all_gather, all_reduce, all_to_all, all_to_all_v,  # noqa: E402
-                   gemm, gemm_ar, gemm_rs, reduce_scatter)
+                   gemm, gemm_ar, gemm_rs, reduce_scatter, ulysses_head_to_seq, ulysses_seq_to_head)
 
 __version__ = _weft.__version__
 
 __all__ = [
     "Error", "TensorView", "Team", "init", "finalize", "is_initialized", "world", "rank", "num_ranks", "empty",
-    "free", "is_symmetric", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_to_all_v", "gemm",
-    "ag_gemm", "gemm_rs", "gemm_ar", "AgGemm", "GemmRs", "GemmAr", "ep", "flash_attention", "decode_attention",
-    "decode_attention_workspace_bytes", "sp_decode_attention", "AgAttention", "attention_status",
-    "check_attention_status", "grouped_gemm", "grouped_status", "check_grouped_status", "MoeRouting", "moe_route",
-    "moe_gathered_rows", "moe_routing_status", "check_moe_routing_status", "MoeAgGroupedGemm", "MoeGroupedGemmRs",
+    "free", "is_symmetric", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_to_all_v",
+    "ulysses_seq_to_head", "ulysses_head_to_seq", "gemm", "ag_gemm", "gemm_rs", "gemm_ar", "AgGemm", "GemmRs",
+    "GemmAr", "ep", "flash_attention", "decode_attention", "decode_attention_workspace_bytes", "sp_decode_attention",
+    "AgAttention", "attention_status", "check_attention_status", "grouped_gemm", "grouped_status",
+    "check_grouped_status", "MoeRouting", "moe_route", "moe_gathered_rows", "moe_routing_status",
+    "check_moe_routing_status", "MoeAgGroupedGemm", "MoeGroupedGemmRs",
 ]

@@ -8,8 +8,8 @@ import operator
 
 from . import _runtime, _weft
 from ._tensor import (CallContext, bytes_arg, check_tensor, dtype_code, flat_arg, heap_tensor, matrix_view, out_arg,
-                      torch_module, written)
-from ._weft import Error
+                      torch_module, values_are_bytes, written)
+from ._weft import Error, TensorView
 
 
 def _context(team, op):
@@ -195,6 +195,55 @@ def all_to_all_v(tensor, send_counts, recv_counts, out=None, *, team=None):
     _weft.all_to_all_v_flat(ctx.world, ptr, count, [c * row for c in send], out_ptr, sum(recv) * row,
                             [c * row for c in recv], code, ctx.stream(ctx.device_index), cpp_team)
     return written(out)
+
+def _ulysses(x, out, team, seq_to_head):
+    op = "ulysses_seq_to_head" if seq_to_head else "ulysses_head_to_seq"
+    ctx, cpp_team = _context(team, op)
+    try:
+        check_tensor(x, "x", ctx, ctx.all_dtypes)
+        n = ctx.num_ranks if cpp_team is None else cpp_team.num_ranks
+        if x.dim() != 3 or not x.is_contiguous():
+            raise ValueError(f"x: expected a contiguous 3-D tensor, got shape {tuple(x.shape)} and strides {x.stride()}")
+        rows, heads, dim = x.shape
+        if seq_to_head:
+            if heads % n != 0:
+                raise ValueError(f"x: expected [S / W, H, D] with H a multiple of the {n} ranks, got {tuple(x.shape)}")
+            shape = (rows * n, heads // n, dim)
+        else:
+            if rows % n != 0:
+                raise ValueError(f"x: expected [S, H / W, D] with S a multiple of the {n} ranks, got {tuple(x.shape)}")
+            shape = (rows // n, heads * n, dim)
+        if out is not None:
+            check_tensor(out, "out", ctx, (x.dtype,))
+            if tuple(out.shape) != shape or not out.is_contiguous():
+                raise ValueError(f"out: expected a contiguous tensor of shape {shape}, got {tuple(out.shape)}")
+        values_are_bytes(x, "x")
+    except (TypeError, ValueError):
+        _refused(ctx, cpp_team)
+        raise
+    torch = torch_module()
+    if out is None:
+        out = torch.empty(shape, dtype=x.dtype, device=x.device)
+    scratch = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+    def view(t):
+        return TensorView(t.data_ptr(), ctx.all_dtypes[t.dtype], tuple(t.shape), t.stride())
+
+    _weft.ulysses(ctx.world, view(x), view(out), view(scratch), seq_to_head, ctx.stream(ctx.device_index), cpp_team)
+    return written(out)
+
+
+def ulysses_seq_to_head(x, out=None, *, team=None):
+    """Ulysses re-shard, sequence-sharded to head-sharded: x [S / W, H, D] (this rank's tokens, every head) becomes out
+    [S, H / W, D] (every token, this rank's heads: rank r holds heads [r H / W, (r + 1) H / W)). x contiguous, any dtype
+    weft knows, H a multiple of W; out allocated when None. A strided copy into a scratch tensor the call allocates,
+    then an all-to-all. Collective; on torch's current stream."""
+    return _ulysses(x, out, team, True)
+
+
+def ulysses_head_to_seq(x, out=None, *, team=None):
+    """The inverse of ulysses_seq_to_head: x [S, H / W, D] becomes out [S / W, H, D] (S a multiple of W)."""
+    return _ulysses(x, out, team, False)
 
 def _empty_out(rows, n, dtype, device):
     """An output [rows, n] for a kernel whose row stride must be a multiple of 16 bytes (TMA): (the view to write,

@@ -213,3 +213,17 @@ def test_all_to_all_v_against_every_ranks_rows(rank, num_ranks):
     starts = [[sum(s[:r]) for r in range(num_ranks)] for s in sends]
     want = torch.cat([inputs[q][starts[q][rank]:starts[q][rank] + sends[q][rank]] for q in range(num_ranks)])
     assert out.shape == (sum(recv), cols) and torch.equal(out, want)
+
+
+@pytest.mark.parametrize("rows,heads,dim", [(1, 2, 8), (13, 4, 64)])
+def test_ulysses_reshards_between_sequence_and_heads(rank, num_ranks, rows, heads, dim):
+    h = heads * num_ranks
+    everyone = [_integers(rows * h * dim, torch.bfloat16, q, 10).view(rows, h, dim) for q in range(num_ranks)]
+    out = weft.ulysses_seq_to_head(everyone[rank])
+    torch.cuda.synchronize()
+    mine = slice(rank * heads, (rank + 1) * heads)
+    assert torch.equal(out, torch.cat([x[:, mine] for x in everyone]))
+    back = torch.full_like(everyone[rank], float("nan"))
+    weft.ulysses_head_to_seq(out, back)
+    torch.cuda.synchronize()
+    assert torch.equal(back, everyone[rank])
