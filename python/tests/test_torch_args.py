@@ -84,6 +84,11 @@ def test_weft_torch_registers_custom_ops_with_fake_implementations(fake_world):
     assert weft.torch.ag_gemm(x, w).shape == (16, 32)
     assert weft.torch.gemm_rs(x, w).shape == (4, 32)
     assert torch.ops.weft.gemm(x, w).shape == (8, 32)
+    assert torch.ops.weft.all_to_all(x, -1, 2).shape == (8, 16)
+    assert torch.ops.weft.all_to_all_v(x, [3, 5], [6, 1], -1).shape == (7, 16)
+    assert torch.ops.weft.ulysses(x.view(8, 2, 8), True, -1, 2).shape == (16, 1, 8)
+    assert torch.ops.weft.ulysses(x.view(8, 2, 8), False, -1, 2).shape == (4, 4, 8)
+    assert weft.torch.ulysses_seq_to_head(x.view(4, 4, 8)).shape == (8, 2, 8)
 
 
 def _meta(*shape, grad=True):
@@ -101,6 +106,11 @@ def test_autograd_formulas_give_gradients_of_the_inputs_shapes(fake_world):
         (weft.torch.all_reduce, (_meta(6, 8),), (6, 8)),
         (weft.torch.all_gather, (_meta(6, 8),), (12, 8)),
         (weft.torch.reduce_scatter, (_meta(6, 8),), (3, 8)),
+        (weft.torch.all_to_all, (_meta(6, 8),), (6, 8)),
+        (lambda x: weft.torch.all_to_all_v(x, [2, 3], [4, 1]), (_meta(5, 8),), (5, 8)),
+        (lambda x: weft.torch.all_to_all_v(x, [2, 3], [1, 1]), (_meta(5, 8),), (2, 8)),
+        (weft.torch.ulysses_seq_to_head, (_meta(3, 4, 8),), (6, 2, 8)),
+        (weft.torch.ulysses_head_to_seq, (_meta(6, 2, 8),), (3, 4, 8)),
     ]
     for op, inputs, out_shape in cases:
         out = op(*inputs)
@@ -193,6 +203,8 @@ def test_a_count_that_is_not_the_teams_is_a_value_error(fake_world):
 
     with pytest.raises(ValueError, match=r"num_ranks: expected 2 \(the ranks of the World\), got 3"):
         weft.torch._check_ranks(-1, 3, "ag_gemm")
+    with pytest.raises(ValueError, match=r"num_ranks: expected 2 \(the ranks of the World\), got 4"):
+        torch.ops.weft.all_to_all(torch.zeros(8, 2), -1, 4)  # the eager op (a CPU tensor: refused at the count first)
     with pytest.raises(TypeError, match="team: expected a weft.Team, a team handle or None, got str"):
         weft.torch.all_gather(_meta(4, 4), team="tp")
 

@@ -11,6 +11,7 @@ Autograd (sums are over ranks; W = number of ranks):
     all_reduce      grad_in = all_reduce(grad_out)
     all_gather      grad_in = reduce_scatter(grad_out)
     reduce_scatter  grad_in = all_gather(grad_out)
+    all_to_all      grad_in = all_to_all(grad_out)   (all_to_all_v: the counts swapped; ulysses: the other direction)
     ag_gemm(a, b)   grad_a = gemm_rs(grad_out, b.T), grad_b = grad_out.T @ all_gather(a)
     gemm_rs(a, b)   grad_a = ag_gemm(grad_out, b.T), grad_b = all_gather(grad_out).T @ a
     gemm(a, b)      grad_a = grad_out @ b, grad_b = grad_out.T @ a
@@ -38,9 +39,11 @@ if not hasattr(torch.library, "custom_op"):
     raise ImportError(f"weft.torch needs PyTorch 2.4 or later (torch.library.custom_op); this is PyTorch "
                       f"{torch.__version__}. weft's other Python ops (weft.all_reduce, weft.AgGemm, ...) work with it.")
 
-__all__ = ["all_reduce", "all_gather", "reduce_scatter", "gemm", "ag_gemm", "gemm_rs", "gemm_ar"]
+__all__ = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_to_all_v", "ulysses_seq_to_head",
+           "ulysses_head_to_seq", "gemm", "ag_gemm", "gemm_rs", "gemm_ar"]
 # all_reduce and gemm are custom ops themselves; the others are Python functions over the custom ops
-# torch.ops.weft.{all_gather, reduce_scatter, ag_gemm, ag_gemm_saving, gemm_rs, gemm_ar}.
+# torch.ops.weft.{all_gather, reduce_scatter, all_to_all, all_to_all_v, ulysses, ag_gemm, ag_gemm_saving, gemm_rs,
+# gemm_ar}.
 
 
 def _contiguous(x):
@@ -88,7 +91,8 @@ def _check_ranks(team, num_ranks, op):
     expected = _runtime.team_size(team)
     if num_ranks != expected:
         of = "the World" if team < 0 else f"the team with handle {team}"
-        if op in ("all_gather", "reduce_scatter"):  # a collective's place in the team's calls (weft._ops._refused)
+        if op in ("all_gather", "reduce_scatter", "all_to_all", "ulysses_seq_to_head", "ulysses_head_to_seq"):
+            # a collective's place in the team's calls (weft._ops._refused)
             _ops.count_refused_call(_runtime.team_by_handle(team), op)
         raise ValueError(f"num_ranks: expected {expected} (the ranks of {of}), got {num_ranks}; "
                          f"weft.torch.{op}(...) passes the right count")
@@ -161,6 +165,108 @@ def _reduce_scatter_backward(ctx, grad):
 all_reduce.register_autograd(_all_reduce_backward, setup_context=_save_team)
 _all_gather.register_autograd(_all_gather_backward, setup_context=_save_team_and_ranks)
 _reduce_scatter.register_autograd(_reduce_scatter_backward, setup_context=_save_team_and_ranks)
+
+
+@torch.library.custom_op("weft::all_to_all", mutates_args=())
+def _all_to_all(x: torch.Tensor, team: int, num_ranks: int) -> torch.Tensor:
+    """x split in num_ranks equal chunks along dim 0; chunk q of the result is rank q's chunk `rank` (equal splits),
+    over the team with handle `team`."""
+    _check_ranks(team, num_ranks, "all_to_all")
+    return _ops.all_to_all(_contiguous(x), team=_runtime.team_by_handle(team))
+
+
+@_all_to_all.register_fake
+def _(x, team, num_ranks):
+    _check_fake_ranks(num_ranks)
+    torch._check(x.dim() > 0 and x.shape[0] % num_ranks == 0,
+                 lambda: f"x: dim 0 must be a multiple of the {num_ranks} ranks")
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("weft::all_to_all_v", mutates_args=())
+def _all_to_all_v(x: torch.Tensor, send_counts: list[int], recv_counts: list[int], team: int) -> torch.Tensor:
+    """send_counts[q] rows of x (dim 0) to rank q, recv_counts[q] rows from it, back to back in rank order."""
+    return _ops.all_to_all_v(_contiguous(x), send_counts, recv_counts, team=_runtime.team_by_handle(team))
+
+
+@_all_to_all_v.register_fake
+def _(x, send_counts, recv_counts, team):
+    torch._check(x.dim() > 0, lambda: "x: expected at least one dimension")
+    return x.new_empty((sum(recv_counts), *x.shape[1:]))
+
+
+@torch.library.custom_op("weft::ulysses", mutates_args=())
+def _ulysses(x: torch.Tensor, seq_to_head: bool, team: int, num_ranks: int) -> torch.Tensor:
+    """The Ulysses re-shard: [S / W, H, D] to [S, H / W, D] (seq_to_head) or back."""
+    _check_ranks(team, num_ranks, "ulysses_seq_to_head" if seq_to_head else "ulysses_head_to_seq")
+    op = _ops.ulysses_seq_to_head if seq_to_head else _ops.ulysses_head_to_seq
+    return op(_contiguous(x), team=_runtime.team_by_handle(team))
+
+
+@_ulysses.register_fake
+def _(x, seq_to_head, team, num_ranks):
+    _check_fake_ranks(num_ranks)
+    torch._check(x.dim() == 3, lambda: "x: expected a 3-D tensor")
+    rows, heads, dim = x.shape
+    if seq_to_head:
+        torch._check(heads % num_ranks == 0, lambda: f"x: H must be a multiple of the {num_ranks} ranks")
+        return x.new_empty((rows * num_ranks, heads // num_ranks, dim))
+    torch._check(rows % num_ranks == 0, lambda: f"x: S must be a multiple of the {num_ranks} ranks")
+    return x.new_empty((rows // num_ranks, heads * num_ranks, dim))
+
+
+def _all_to_all_backward(ctx, grad):
+    # Equal splits: the all-to-all is its own inverse, and a permutation's adjoint is its inverse.
+    return torch.ops.weft.all_to_all(_contiguous(grad), ctx.team, ctx.num_ranks), None, None
+
+
+def _save_counts(ctx, inputs, output):
+    ctx.send_counts, ctx.recv_counts, ctx.team = inputs[1], inputs[2], inputs[3]
+
+
+def _all_to_all_v_backward(ctx, grad):
+    # Each row goes back where it came from: the counts swap.
+    return torch.ops.weft.all_to_all_v(_contiguous(grad), ctx.recv_counts, ctx.send_counts, ctx.team), None, None, \
+        None
+
+
+def _save_ulysses(ctx, inputs, output):
+    ctx.seq_to_head, ctx.team, ctx.num_ranks = inputs[1], inputs[2], inputs[3]
+
+
+def _ulysses_backward(ctx, grad):
+    return torch.ops.weft.ulysses(_contiguous(grad), not ctx.seq_to_head, ctx.team, ctx.num_ranks), None, None, None
+
+
+_all_to_all.register_autograd(_all_to_all_backward, setup_context=_save_team_and_ranks)
+_all_to_all_v.register_autograd(_all_to_all_v_backward, setup_context=_save_counts)
+_ulysses.register_autograd(_ulysses_backward, setup_context=_save_ulysses)
+
+
+def all_to_all(x, team=None):
+    """weft.all_to_all as torch.ops.weft.all_to_all (equal splits along dim 0), over `team` (a weft.Team, its
+    handle, or None: the World), differentiable (the gradient goes back by the same all-to-all)."""
+    handle, n = _ranks_of(team)
+    return torch.ops.weft.all_to_all(x, handle, n)
+
+
+def all_to_all_v(x, send_counts, recv_counts, team=None):
+    """weft.all_to_all_v as torch.ops.weft.all_to_all_v (rows along dim 0), differentiable (the gradient goes back
+    with the counts swapped)."""
+    handle, _ = _ranks_of(team)
+    return torch.ops.weft.all_to_all_v(x, [int(c) for c in send_counts], [int(c) for c in recv_counts], handle)
+
+
+def ulysses_seq_to_head(x, team=None):
+    """[S / W, H, D] to [S, H / W, D] (torch.ops.weft.ulysses), differentiable (backward: ulysses_head_to_seq)."""
+    handle, n = _ranks_of(team)
+    return torch.ops.weft.ulysses(x, True, handle, n)
+
+
+def ulysses_head_to_seq(x, team=None):
+    """[S, H / W, D] to [S / W, H, D], differentiable (backward: ulysses_seq_to_head)."""
+    handle, n = _ranks_of(team)
+    return torch.ops.weft.ulysses(x, False, handle, n)
 
 
 # ---- GEMMs ----

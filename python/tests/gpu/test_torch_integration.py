@@ -167,3 +167,29 @@ def test_tensor_parallel_mlp_matches_a_single_gpu_reference(rank, num_ranks, com
     assert rel_error(x_local.grad, xr.grad[rows]) < 3e-2
     assert rel_error(mlp.w1.grad, w1r.grad[shard]) < 3e-2
     assert rel_error(mlp.w2.grad, w2r.grad[:, shard]) < 3e-2
+
+
+def test_all_to_all_and_ulysses_custom_ops_differentiate_and_compile(rank, num_ranks):
+    """The gradient of an all-to-all goes back by the same all-to-all: x.grad's chunk q on this rank is rank q's
+    upstream gradient's chunk `rank` (each rank's upstream gradient recomputed here from its seed)."""
+    rows = 3 * num_ranks
+
+    def upstream(q):
+        return _randn((rows, 8), torch.float32, 20, q)
+
+    x = _randn((rows, 8), torch.float32, 21, rank).requires_grad_()
+    y = weft.torch.all_to_all(x)
+    y.backward(upstream(rank))
+    torch.cuda.synchronize()
+    assert torch.equal(x.grad, torch.cat([upstream(q)[rank * 3:(rank + 1) * 3] for q in range(num_ranks)]))
+    # Ulysses there and back is the identity, eagerly and compiled, and so is its gradient.
+    z = _randn((5, 2 * num_ranks, 16), torch.bfloat16, 22, rank).requires_grad_()
+
+    def round_trip(t):
+        return weft.torch.ulysses_head_to_seq(weft.torch.ulysses_seq_to_head(t) * 2)
+
+    out = torch.compile(round_trip, fullgraph=True)(z)
+    torch.cuda.synchronize()
+    assert torch.equal(out, z * 2)
+    out.sum().backward()
+    assert torch.equal(z.grad, torch.full_like(z, 2))
