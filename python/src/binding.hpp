@@ -96,6 +96,8 @@ enum class Admit {
 /// In a process forked after the object was made, every call and close() raise weft::Error naming the parent
 /// (forked_message), and the object is never destroyed there: it is the parent's (its World's rank, store connection
 /// and GPU context), and destroying it would close it collectively in the parent's name.
+/// On the main thread, inside an interruptible call (an op's close(), whose interruption also aborts its World, which
+/// ends the calls it waited for), Ctrl-C ends close()'s waits: the object is left open and the interruption raised.
 /// NOTE: the mutex is never held while waiting for the GIL, so taking it with the GIL held cannot deadlock. In a
 /// forked child the mutex is never taken (a parent thread may have held it at the fork, and that thread is gone):
 /// every path checks forked_since_made() first.
@@ -163,17 +165,20 @@ public:
                        "close() of " << name_
                                      << " was called from inside a call on it on the same thread (a callback "
                                         "of that call) and would wait for itself; close it after the call returns");
-            idle_.wait(lock, [&] { return !closing_; });  // another thread's close() of it, if any, ends first
+            // Another thread's close() of it, if any, ends first.
+            if (auto why = wait_idle(lock, [&] { return !closing_; })) throw Error(interrupted(*why));
             if (object_ == nullptr) return false;
             closing_ = true;
-            idle_.wait(lock, [&] { return callers_.empty(); });
+            if (auto why = wait_idle(lock, [&] { return callers_.empty(); })) {
+                reopen();  // left open, as a refusal leaves it
+                throw Error(interrupted(*why));
+            }
         }
         try {
             check();  // the GIL held again
         } catch (...) {
             std::lock_guard<std::mutex> lock(mutex_);
-            closing_ = false;  // left open, as a refusal leaves it
-            idle_.notify_all();
+            reopen();  // left open, as a refusal leaves it
             throw;
         }
         nb::gil_scoped_release release;
@@ -181,7 +186,10 @@ public:
         {
             std::unique_lock<std::mutex> lock(mutex_);
             // A call admitted while closing (World.abort) may have started during the check: it ends first.
-            idle_.wait(lock, [&] { return callers_.empty(); });
+            if (auto why = wait_idle(lock, [&] { return callers_.empty(); })) {
+                reopen();
+                throw Error(interrupted(*why));
+            }
             gone = std::move(object_);
             closing_ = false;
             idle_.notify_all();
@@ -223,6 +231,30 @@ public:
     bool forked_since_made() const { return process_forked() && process_id() != pid_; }
 
 private:
+    /// Waits (the mutex held by `lock`) until `done`, asking the wait check (weft::wait_interrupted: on the main thread
+    /// inside an interruptible call, Ctrl-C or a signal handler that raised) each time 100 ms ran out, the mutex
+    /// released while it asks (it takes the GIL to run the handlers). Its reason when it interrupted the wait.
+    template <class Done>
+    std::optional<std::string> wait_idle(std::unique_lock<std::mutex>& lock, Done done) const {
+        while (!idle_.wait_for(lock, std::chrono::milliseconds(100), done)) {
+            lock.unlock();
+            std::optional<std::string> why = wait_interrupted();
+            lock.lock();
+            if (why && !done()) return why;
+        }
+        return std::nullopt;
+    }
+    /// An interrupted close(): what it raises (the interruptible call it runs in raises the interruption instead).
+    std::string interrupted(const std::string& why) const {
+        return std::string("close() of ") + name_ + " was " + why + " while it waited; " + name_ + " is still open";
+    }
+    /// A close() that ends without closing (refused or interrupted): calls may start again, other closes go on. The
+    /// mutex held.
+    void reopen() {
+        closing_ = false;
+        idle_.notify_all();
+    }
+
     std::unique_ptr<T> object_;  ///< changed under the mutex; null once closed
     const char* name_;
     const pid_t pid_ = process_id();  ///< the process that made it

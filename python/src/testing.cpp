@@ -86,11 +86,14 @@ void bind_testing(nb::module_& m) {
                  interruptible<false, FromSignalHandler::kAllow>(nullptr, [] {});
              })
         // `check` (if given) is called before and after the wait for the calls in flight; raising refuses the close.
+        // An interruptible call, as an op's close() is (of no World: nothing to abort).
         .def(
             "close",
             [](PyClosableProbe& p, nb::handle check) {
-                return p.object.close([&] {
-                    if (!check.is_none()) check();
+                return interruptible<true>(nullptr, [&] {
+                    return p.object.close([&] {
+                        if (!check.is_none()) check();
+                    });
                 });
             },
             "check"_a = nb::none())

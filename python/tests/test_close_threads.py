@@ -3,6 +3,8 @@
 # (python/src/binding.hpp, Closable), driven on the CPU through _weft._testing.ClosableProbe, which uses the same code
 # (a World needs a GPU). probe.call(callback) is a call like World.barrier(): the GIL released, the callback run inside
 # it with the GIL taken (as a Python store's methods are).
+import os
+import signal
 import threading
 import time
 
@@ -132,4 +134,25 @@ def test_a_close_refused_after_the_wait_leaves_the_object_open():
     assert len(close_errors) == 1 and "an op made during the wait is still open" in str(close_errors[0])
     assert not probe.closed
     probe.call()
+    assert probe.close() and probe.closed
+
+
+def test_ctrl_c_ends_a_close_waiting_for_a_call_in_flight_and_leaves_the_object_open():
+    probe = ClosableProbe()
+    leave, a, a_errors = _call_in_flight(probe)  # a call that stays inside (as one stuck on a missing peer)
+    timer = threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT))
+    timer.start()
+    backstop = threading.Timer(TIMEOUT_S, leave.set)  # a close that cannot be interrupted ends then, and fails below
+    backstop.start()
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        probe.close()
+    assert time.monotonic() - started < TIMEOUT_S
+    timer.join()
+    backstop.cancel()
+    assert not probe.closed
+    probe.call()  # calls start again: the close that was interrupted ended
+    leave.set()
+    _join(a)
+    assert a_errors == []
     assert probe.close() and probe.closed
