@@ -13,7 +13,8 @@
 # first warmed with weft's own kernels, WEFT_GPU_RUN_WARM_JOBS (default: the CPU count, at most 256) compiles
 # at a time. The exit status is 1 when a step failed.
 # BINDIR holds the built binaries (default build/release, searched recursively): weft_gpu_tests,
-# weft_dist_tests, weftrun and the weft_bench_* benchmarks. Binaries built on a CPU machine run here
+# weft_dist_tests, weftrun and the weft_bench_* benchmarks. Where the Python package and torch import, its GPU tests
+# (python/tests/gpu) run too: run the script from the repository root. Binaries built on a CPU machine run here
 # (static cudart); WEFT_CACHE_DIR may point at a JIT cache warmed ahead of time with weft-compile.
 set -uo pipefail
 logdir=${1:?usage: tools/gpu_run.sh LOGDIR [BINDIR] [--no-bench] [--bench-only]}
@@ -117,7 +118,8 @@ step() {  # step NAME LOGFILE COMMAND...
     [ $rc = 0 ] || any_failed=1
     local secs=$(awk -v s="$start" -v e="$(date +%s.%N)" 'BEGIN{printf "%.1f", e-s}')
     local detail
-    detail=$(grep -E '^== [0-9]+ tests passed|^== no tests run|^FAILED TEST|^\[  PASSED  \]' "$logdir/$log" |
+    detail=$(grep -E '^== [0-9]+ tests passed|^== no tests run|^FAILED TEST|^\[  PASSED  \]|^[0-9]+ (passed|failed)' \
+        "$logdir/$log" |
         head -n 4 | tr '\n' ' ')
     summary+=("$(printf '%-28s %-6s %7ss  %s' "$name" "$([ $rc = 0 ] && echo ok || echo FAIL:$rc)" "$secs" "$detail")")
 }
@@ -158,6 +160,17 @@ if [ $run_tests = 1 ]; then
     while IFS= read -r example; do
         step "$(basename "$example")" "$(basename "$example").log" "$example"
     done < <(find "$bindir" -type f -name 'weft_example_*' -perm -u+x 2>/dev/null | sort)
+    # The Python package's GPU tests, where weft and torch import (pip install . first; run from the repository
+    # root): one rank per GPU under torchrun (NCCL references), then two ranks sharing GPU 0 (gloo references).
+    if python3 -c "import weft, torch" >/dev/null 2>&1; then
+        ngpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
+        [ "$ngpus" -ge 1 ] || ngpus=1
+        step "python tests (${ngpus} rank(s))" python_tests.log python3 -m torch.distributed.run --standalone \
+            --nproc_per_node="$ngpus" -m pytest -q -p no:cacheprovider python/tests/gpu
+        step "python tests (2 ranks, 1 GPU)" python_tests_shared.log env WEFT_TEST_TORCH_BACKEND=gloo \
+            CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-0}" python3 -m torch.distributed.run --standalone \
+            --nproc_per_node=2 -m pytest -q -p no:cacheprovider python/tests/gpu
+    fi
 fi
 if [ $run_bench = 1 ]; then
     while IFS= read -r bench; do
