@@ -455,6 +455,18 @@ struct PyTeam {
     }
 };
 
+/// The record behind an op's `status` tensor: a contiguous int32 tensor of 4 elements (the record's four fields in
+/// order, as `maker` makes one), else weft::Error; null for none.
+template <class Record>
+Record* status_record(const std::optional<TensorView>& status, const char* maker) {
+    static_assert(sizeof(Record) == 4 * sizeof(int32_t), "a status record is four int32 fields");
+    if (!status) return nullptr;
+    WEFT_CHECK(
+        status->dtype == DType::kI32 && status->ndim == 1 && status->dim(0) == 4 && status->stride(0) == 1,
+        "status: expected a contiguous int32 tensor of 4 elements (" << maker << "), got " << status->describe());
+    return static_cast<Record*>(status->data);
+}
+
 /// A stream from Python (torch.cuda.Stream.cuda_stream: an integer).
 inline cudaStream_t as_stream(uintptr_t stream) { return reinterpret_cast<cudaStream_t>(stream); }
 

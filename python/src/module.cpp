@@ -88,8 +88,8 @@ void run_collective(PyWorld& w, const PyTeam* team, int algo, Run&& run) {
     run(team_of(w, world, team), o);
 }
 
-/// decode_attention's (and sp_decode_attention's) options from the bindings' arguments; `status` an int32 [4] tensor
-/// (the wrapper checks it): the record's four fields in order.
+/// decode_attention's (and sp_decode_attention's) options from the bindings' arguments; `status` a contiguous int32 [4]
+/// tensor (the record's four fields in order), refused otherwise.
 ops::DecodeAttentionOptions decode_options(std::optional<float> scale, int num_splits,
                                            const std::optional<TensorView>& workspace,
                                            const std::optional<TensorView>& status) {
@@ -97,7 +97,7 @@ ops::DecodeAttentionOptions decode_options(std::optional<float> scale, int num_s
     o.scale = scale;
     o.num_splits = num_splits;
     if (workspace) o.workspace = *workspace;
-    if (status) o.status = static_cast<ops::AttentionStatus*>(status->data);
+    o.status = status_record<ops::AttentionStatus>(status, "weft.attention_status()");
     return o;
 }
 
@@ -118,19 +118,13 @@ const int32_t* group_array(const TensorView& v, const TensorView& b, const char*
     return static_cast<const int32_t*>(v.data);
 }
 
-/// A grouped GEMM's options from the bindings' arguments; `status` a contiguous int32 [4] tensor (the record's four
-/// fields in order), refused otherwise.
+/// A grouped GEMM's options from the bindings' arguments; `status` as decode_options's.
 ops::GroupedGemmOptions grouped_options(int sm_budget, int64_t expected_rows_per_group,
                                         const std::optional<TensorView>& status) {
     ops::GroupedGemmOptions o;
     o.sm_budget = sm_budget;
     o.expected_rows_per_group = expected_rows_per_group;
-    if (status) {
-        WEFT_CHECK(status->dtype == DType::kI32 && status->ndim == 1 && status->dim(0) == 4 && status->stride(0) == 1,
-                   "status: expected a contiguous int32 tensor of 4 elements (weft.grouped_status()), got "
-                       << status->describe());
-        o.status = static_cast<ops::GroupedStatus*>(status->data);
-    }
+    o.status = status_record<ops::GroupedStatus>(status, "weft.grouped_status()");
     return o;
 }
 

@@ -74,16 +74,30 @@ ops::MoeTpOptions moe_tp_options(int comm_blocks, int sm_budget, int64_t timeout
     return o;
 }
 
-/// A TP MoE layer made on a World (or a team of it), as the other fused ops' bindings make theirs.
+/// A TP MoE layer's class: made on a World (or a team of it) as the other fused ops' bindings make theirs, with
+/// rows_capacity, closed and close(); the caller adds run().
 template <class Op>
-void make_layer(PyOp<Op>* self, PyWorld& w, const ops::MoeTpShape& shape, const ops::MoeTpOptions& o,
-                const PyTeam* team, const char* name) {
-    const WorldUse world = w.use();      // held until the op is counted: World.close() waits for it
-    DeviceScope scope(world->device());  // the op's streams, events and memory on the World's GPU
-    std::unique_ptr<Op> op = interruptible(w.h.get(), [&] {
-        return team ? std::make_unique<Op>(team->get(&w.h), shape, o) : std::make_unique<Op>(*world, shape, o);
-    });
-    new (self) PyOp<Op>(w.h, world->device(), std::move(op), name);
+nb::class_<PyOp<Op>> bind_layer(nb::module_& m, const char* name) {
+    return nb::class_<PyOp<Op>>(m, name)
+        .def(
+            "__init__",
+            [name](PyOp<Op>* self, PyWorld& w, int64_t max_tokens, int64_t hidden, int64_t ffn, int64_t num_experts,
+                   int64_t topk, int comm_blocks, int sm_budget, int64_t timeout_ms, const PyTeam* team) {
+                const ops::MoeTpShape shape = moe_tp_shape(max_tokens, hidden, ffn, num_experts, topk);
+                const ops::MoeTpOptions o = moe_tp_options(comm_blocks, sm_budget, timeout_ms);
+                const WorldUse world = w.use();      // held until the op is counted: World.close() waits for it
+                DeviceScope scope(world->device());  // the op's streams, events and memory on the World's GPU
+                std::unique_ptr<Op> op = interruptible(w.h.get(), [&] {
+                    return team ? std::make_unique<Op>(team->get(&w.h), shape, o)
+                                : std::make_unique<Op>(*world, shape, o);
+                });
+                new (self) PyOp<Op>(w.h, world->device(), std::move(op), name);
+            },
+            "world"_a, "max_tokens"_a, "hidden"_a, "ffn"_a, "num_experts"_a, "topk"_a, "comm_blocks"_a = 0,
+            "sm_budget"_a = 0, "timeout_ms"_a = 0, "team"_a = nb::none())
+        .def_prop_ro("rows_capacity", [](const PyOp<Op>& op) { return op.use()->rows_capacity(); })
+        .def_prop_ro("closed", [](const PyOp<Op>& op) { return op.op.closed(); })
+        .def("close", &PyOp<Op>::close);
 }
 
 }  // namespace
@@ -98,15 +112,7 @@ void bind_moe(nb::module_& m) {
             WEFT_CHECK(topk_idx.ndim == 2,
                        "topk_idx: expected a 2-D tensor [tokens, topk], got " << topk_idx.describe());
             ops::MoeRouting r = routing_of(counts, offsets, gather_index, slot_rows, topk_idx.dim(0), topk_idx.dim(1));
-            ops::MoeRoutingStatus* record = nullptr;
-            if (status) {
-                WEFT_CHECK(
-                    status->dtype == DType::kI32 && status->ndim == 1 && status->dim(0) == 4 && status->stride(0) == 1,
-                    "status: expected a contiguous int32 tensor of 4 elements (weft.moe_routing_status()), "
-                    "got "
-                        << status->describe());
-                record = static_cast<ops::MoeRoutingStatus*>(status->data);
-            }
+            auto* record = status_record<ops::MoeRoutingStatus>(status, "weft.moe_routing_status()");
             DeviceScope scope(device);
             ops::moe_route(topk_idx, r, align, as_stream(stream), record);
         },
@@ -128,17 +134,7 @@ void bind_moe(nb::module_& m) {
         "max_tokens"_a, "hidden"_a, "ffn"_a, "num_experts"_a, "topk"_a, "num_ranks"_a, "comm_blocks"_a = 0,
         "sm_budget"_a = 0, "timeout_ms"_a = 0, "op"_a = "MoeTp");
 
-    nb::class_<PyMoeAgGroupedGemm>(m, "MoeAgGroupedGemm")
-        .def(
-            "__init__",
-            [](PyMoeAgGroupedGemm* self, PyWorld& w, int64_t max_tokens, int64_t hidden, int64_t ffn,
-               int64_t num_experts, int64_t topk, int comm_blocks, int sm_budget, int64_t timeout_ms,
-               const PyTeam* team) {
-                make_layer(self, w, moe_tp_shape(max_tokens, hidden, ffn, num_experts, topk),
-                           moe_tp_options(comm_blocks, sm_budget, timeout_ms), team, "MoeAgGroupedGemm");
-            },
-            "world"_a, "max_tokens"_a, "hidden"_a, "ffn"_a, "num_experts"_a, "topk"_a, "comm_blocks"_a = 0,
-            "sm_budget"_a = 0, "timeout_ms"_a = 0, "team"_a = nb::none())
+    bind_layer<ops::MoeAgGroupedGemm>(m, "MoeAgGroupedGemm")
         .def("run", interruptibly([](PyMoeAgGroupedGemm& op, const TensorView& x_local, const TensorView& topk_idx,
                                      const TensorView& w, const TensorView& y, uintptr_t stream) {
                  const auto use = op.use();
@@ -146,26 +142,12 @@ void bind_moe(nb::module_& m) {
                  use->run(x_local, topk_idx, w, y, as_stream(stream));
              }))
         .def("routing", [](const PyMoeAgGroupedGemm& op) { return routing_views(op.use()->routing()); })
-        .def("routing_status",
-             [](const PyMoeAgGroupedGemm& op) {
-                 const ops::MoeRoutingStatus& s = op.use()->routing_status();
-                 return std::make_tuple(s.code, s.slot, s.value, s.limit);
-             })
-        .def_prop_ro("rows_capacity", [](const PyMoeAgGroupedGemm& op) { return op.use()->rows_capacity(); })
-        .def_prop_ro("closed", [](const PyMoeAgGroupedGemm& op) { return op.op.closed(); })
-        .def("close", &PyMoeAgGroupedGemm::close);
+        .def("routing_status", [](const PyMoeAgGroupedGemm& op) {
+            const ops::MoeRoutingStatus& s = op.use()->routing_status();
+            return std::make_tuple(s.code, s.slot, s.value, s.limit);
+        });
 
-    nb::class_<PyMoeGroupedGemmRs>(m, "MoeGroupedGemmRs")
-        .def(
-            "__init__",
-            [](PyMoeGroupedGemmRs* self, PyWorld& w, int64_t max_tokens, int64_t hidden, int64_t ffn,
-               int64_t num_experts, int64_t topk, int comm_blocks, int sm_budget, int64_t timeout_ms,
-               const PyTeam* team) {
-                make_layer(self, w, moe_tp_shape(max_tokens, hidden, ffn, num_experts, topk),
-                           moe_tp_options(comm_blocks, sm_budget, timeout_ms), team, "MoeGroupedGemmRs");
-            },
-            "world"_a, "max_tokens"_a, "hidden"_a, "ffn"_a, "num_experts"_a, "topk"_a, "comm_blocks"_a = 0,
-            "sm_budget"_a = 0, "timeout_ms"_a = 0, "team"_a = nb::none())
+    bind_layer<ops::MoeGroupedGemmRs>(m, "MoeGroupedGemmRs")
         .def("run", interruptibly([](PyMoeGroupedGemmRs& op, const TensorView& h, const TensorView& w,
                                      const TensorView& counts, const TensorView& offsets,
                                      const TensorView& gather_index, const TensorView& slot_rows, int64_t tokens,
@@ -174,10 +156,7 @@ void bind_moe(nb::module_& m) {
                  const ops::MoeRouting r = routing_of(counts, offsets, gather_index, slot_rows, tokens, topk);
                  DeviceScope scope(op.device);
                  use->run(h, w, r, weights, out, as_stream(stream));
-             }))
-        .def_prop_ro("rows_capacity", [](const PyMoeGroupedGemmRs& op) { return op.use()->rows_capacity(); })
-        .def_prop_ro("closed", [](const PyMoeGroupedGemmRs& op) { return op.op.closed(); })
-        .def("close", &PyMoeGroupedGemmRs::close);
+             }));
 }
 
 }  // namespace weft::python
