@@ -20,12 +20,17 @@
 #include <type_traits>
 #include <vector>
 
+#include "weft/common/gemm_config.hpp"
 #include "weft/runtime/driver.hpp"
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/store.hpp"
 #include "weft/runtime/team.hpp"
 #include "weft/runtime/tensor_view.hpp"
 #include "weft/runtime/world.hpp"
+
+namespace weft::ops {
+struct GroupedGemmOptions;
+}  // namespace weft::ops
 
 namespace weft::python {
 
@@ -454,6 +459,13 @@ struct PyTeam {
         return team;
     }
 };
+
+/// B's layout from its code (0: kNK, 1: kKN), else weft::Error (module.cpp).
+BLayout as_b_layout(int code);
+/// A grouped GEMM's options from the bindings' arguments: its SM budget, the rows per group it plans for, and a status
+/// tensor (status_record, made by weft.grouped_status()) or none (module.cpp).
+ops::GroupedGemmOptions grouped_options(int sm_budget, int64_t expected_rows_per_group,
+                                        const std::optional<TensorView>& status);
 
 /// The record behind an op's `status` tensor: a contiguous int32 tensor of 4 elements (the record's four fields in
 /// order, as `maker` makes one), else weft::Error; null for none.

@@ -101,12 +101,6 @@ ops::DecodeAttentionOptions decode_options(std::optional<float> scale, int num_s
     return o;
 }
 
-BLayout as_b_layout(int code) {
-    WEFT_CHECK(code == static_cast<int>(BLayout::kNK) || code == static_cast<int>(BLayout::kKN),
-               "b_layout: expected 0 (nk) or 1 (kn), got " << code);
-    return static_cast<BLayout>(code);
-}
-
 /// The device pointer of a grouped GEMM's per-group array (`name`: offsets or counts), refused unless `v` is a
 /// contiguous int32 [G] with G = b's groups (a b that is not 3-D is left to the op, whose message names it). The
 /// wrapper (python/weft/_moe.py) checks the same before the call.
@@ -116,16 +110,6 @@ const int32_t* group_array(const TensorView& v, const TensorView& b, const char*
     WEFT_CHECK(b.ndim != 3 || v.dim(0) == b.dim(0),
                name << ": expected " << b.dim(0) << " values (one per group: b's first extent), got " << v.describe());
     return static_cast<const int32_t*>(v.data);
-}
-
-/// A grouped GEMM's options from the bindings' arguments; `status` as decode_options's.
-ops::GroupedGemmOptions grouped_options(int sm_budget, int64_t expected_rows_per_group,
-                                        const std::optional<TensorView>& status) {
-    ops::GroupedGemmOptions o;
-    o.sm_budget = sm_budget;
-    o.expected_rows_per_group = expected_rows_per_group;
-    o.status = status_record<ops::GroupedStatus>(status, "weft.grouped_status()");
-    return o;
 }
 
 std::vector<int64_t> dims(const std::array<int64_t, TensorView::kMaxDims>& values, int32_t ndim) {
@@ -176,6 +160,21 @@ Bytes from_bytes(const nb::bytes& b) {
 }
 
 }  // namespace
+
+BLayout as_b_layout(int code) {
+    WEFT_CHECK(code == static_cast<int>(BLayout::kNK) || code == static_cast<int>(BLayout::kKN),
+               "b_layout: expected 0 (nk) or 1 (kn), got " << code);
+    return static_cast<BLayout>(code);
+}
+
+ops::GroupedGemmOptions grouped_options(int sm_budget, int64_t expected_rows_per_group,
+                                        const std::optional<TensorView>& status) {
+    ops::GroupedGemmOptions o;
+    o.sm_budget = sm_budget;
+    o.expected_rows_per_group = expected_rows_per_group;
+    o.status = status_record<ops::GroupedStatus>(status, "weft.grouped_status()");
+    return o;
+}
 
 }  // namespace weft::python
 

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: MIT
 // The binding of the tensor-parallel MoE layers (weft::ops::MoeAgGroupedGemm, MoeGroupedGemmRs) and of the gathered
-// layout's routing (moe_route), which they share: a routing crosses as its four int32 arrays (views) and its sizes.
+// layout they share (moe_route, the gathered grouped GEMMs, moe_combine): a routing crosses as its four int32 arrays
+// (views) and its sizes.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
@@ -118,6 +119,56 @@ void bind_moe(nb::module_& m) {
         },
         "topk_idx"_a, "counts"_a, "offsets"_a, "gather_index"_a, "slot_rows"_a, "align"_a, "status"_a.none(),
         "device"_a, "stream"_a, nb::call_guard<nb::gil_scoped_release>());
+    // The gathered layout's grouped GEMMs and combine (local ops: on `device`, on `stream`). A routing crosses as its
+    // four arrays, the tokens and topk; the workspaces are the wrapper's (python/weft/_moe.py).
+    m.def(
+        "grouped_gemm_gathered",
+        [](const TensorView& a, const TensorView& b, const TensorView& d, int b_layout, const TensorView& counts,
+           const TensorView& offsets, const TensorView& gather_index, const TensorView& slot_rows, int64_t tokens,
+           int64_t topk, const TensorView& a_rows, int device, uintptr_t stream, int sm_budget,
+           int64_t expected_rows_per_group, const std::optional<TensorView>& status) {
+            const BLayout layout = as_b_layout(b_layout);
+            const ops::MoeRouting r = routing_of(counts, offsets, gather_index, slot_rows, tokens, topk);
+            const ops::GroupedGemmOptions o = grouped_options(sm_budget, expected_rows_per_group, status);
+            DeviceScope scope(device);
+            ops::grouped_gemm_gathered(a, b, d, layout, r, a_rows, as_stream(stream), o);
+        },
+        "a"_a, "b"_a, "d"_a, "b_layout"_a, "counts"_a, "offsets"_a, "gather_index"_a, "slot_rows"_a, "tokens"_a,
+        "topk"_a, "a_rows"_a, "device"_a, "stream"_a, "sm_budget"_a = 0, "expected_rows_per_group"_a = 0,
+        "status"_a = nb::none(), nb::call_guard<nb::gil_scoped_release>());
+    m.def(
+        "grouped_gemm_gathered_combine",
+        [](const TensorView& a, const TensorView& b, const TensorView& out, int b_layout, const TensorView& counts,
+           const TensorView& offsets, const TensorView& gather_index, const TensorView& slot_rows, int64_t tokens,
+           int64_t topk, bool weighted_sum, const std::optional<TensorView>& weights, const TensorView& a_rows,
+           const TensorView& d_rows, const std::optional<TensorView>& acc, int device, uintptr_t stream, int sm_budget,
+           int64_t expected_rows_per_group, const std::optional<TensorView>& status) {
+            const BLayout layout = as_b_layout(b_layout);
+            const ops::MoeRouting r = routing_of(counts, offsets, gather_index, slot_rows, tokens, topk);
+            const ops::GroupedGemmOptions o = grouped_options(sm_budget, expected_rows_per_group, status);
+            DeviceScope scope(device);
+            ops::grouped_gemm_gathered_combine(
+                a, b, out, layout, r, weighted_sum ? ops::MoeCombineMode::kWeightedSum : ops::MoeCombineMode::kPerSlot,
+                weights ? *weights : TensorView(), a_rows, d_rows, acc ? *acc : TensorView(), as_stream(stream), o);
+        },
+        "a"_a, "b"_a, "out"_a, "b_layout"_a, "counts"_a, "offsets"_a, "gather_index"_a, "slot_rows"_a, "tokens"_a,
+        "topk"_a, "weighted_sum"_a, "weights"_a.none(), "a_rows"_a, "d_rows"_a, "acc"_a.none(), "device"_a, "stream"_a,
+        "sm_budget"_a = 0, "expected_rows_per_group"_a = 0, "status"_a = nb::none(),
+        nb::call_guard<nb::gil_scoped_release>());
+    m.def(
+        "moe_combine",
+        [](const TensorView& d_rows, const TensorView& counts, const TensorView& offsets,
+           const TensorView& gather_index, const TensorView& slot_rows, int64_t tokens, int64_t topk, bool weighted_sum,
+           const std::optional<TensorView>& weights, const std::optional<TensorView>& acc, const TensorView& out,
+           int device, uintptr_t stream) {
+            const ops::MoeRouting r = routing_of(counts, offsets, gather_index, slot_rows, tokens, topk);
+            DeviceScope scope(device);
+            ops::moe_combine(d_rows, r,
+                             weighted_sum ? ops::MoeCombineMode::kWeightedSum : ops::MoeCombineMode::kPerSlot,
+                             weights ? *weights : TensorView(), acc ? *acc : TensorView(), out, as_stream(stream));
+        },
+        "d_rows"_a, "counts"_a, "offsets"_a, "gather_index"_a, "slot_rows"_a, "tokens"_a, "topk"_a, "weighted_sum"_a,
+        "weights"_a.none(), "acc"_a.none(), "out"_a, "device"_a, "stream"_a, nb::call_guard<nb::gil_scoped_release>());
     m.def(
         "describe_moe_routing_status",
         [](int32_t code, int32_t slot, int32_t value, int32_t limit) {

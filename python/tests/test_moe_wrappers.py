@@ -227,3 +227,49 @@ def test_a_routing_checks_its_arrays_against_its_sizes():
         weft.MoeRouting(_i32(4).long(), _i32(5), _i32(12), _i32(6), 3, 2)._views(_CPU)
     with pytest.raises(ValueError, match="routing.gather_index: expected a contiguous tensor, got stride 2"):
         weft.MoeRouting(_i32(4), _i32(5), _i32(24)[::2], _i32(6), 3, 2)._views(_CPU)
+
+
+def _routing(tokens=4, topk=2, experts=3, rows=10):
+    return weft.MoeRouting(_i32(experts), _i32(experts + 1), _i32(rows), _i32(tokens * topk), tokens, topk)
+
+
+def test_the_gathered_ops_check_their_operands_naming_them():
+    r = _routing()
+    a, b = _bf16(4, 16), _bf16(3, 24, 16)
+    av, bv, n, route = _moe._gathered_operands(a, b, r, "nk", device=_CPU)
+    assert n == 24 and tuple(av.shape) == (4, 16) and route[4:] == (4, 2)
+    assert _moe._gathered_operands(a, b.transpose(1, 2), r, "kn", device=_CPU)[2] == 24
+    with pytest.raises(ValueError, match=r"a: expected routing's 4 tokens as rows, got shape \(5, 16\)"):
+        _moe._gathered_operands(_bf16(5, 16), b, r, "nk", device=_CPU)
+    with pytest.raises(ValueError, match=r"b: expected \[E, N, K\] \(b_layout 'nk'\) with E = routing's 3 experts and "
+                                         r"a's K = 16, got shape \(2, 24, 16\)"):
+        _moe._gathered_operands(a, b[:2], r, "nk", device=_CPU)
+    with pytest.raises(TypeError, match="routing: expected a weft.MoeRouting"):
+        _moe._gathered_operands(a, b, None, "nk", device=_CPU)
+    with pytest.raises(TypeError, match="a: expected dtype bfloat16, got float16"):
+        _moe._gathered_operands(a.half(), b, r, "nk", device=_CPU)
+    with pytest.raises(ValueError, match="b_layout: expected 'nk' or 'kn', got 'tn'"):
+        _moe._gathered_operands(a, b, r, "tn", device=_CPU)
+    with pytest.raises(ValueError, match="a: expected a CUDA tensor, got one on cpu"):
+        weft.grouped_gemm_gathered(a, b, r)
+
+
+def test_the_combine_sizes_its_output_and_checks_its_weights():
+    r = _routing()
+    out, ov, weights, acc, weighted = _moe._combine_args(r, None, None, False, None, 24, _CPU)
+    assert out.shape == (4, 24) and out.dtype == torch.bfloat16 and weights is None and weighted
+    assert tuple(acc.shape) == (4, 24)
+    out, _, _, acc, weighted = _moe._combine_args(r, None, None, True, torch.float32, 24, _CPU)
+    assert out.shape == (8, 24) and out.dtype == torch.float32 and acc is None and not weighted
+    w = torch.zeros(4, 2)
+    assert tuple(_moe._combine_args(r, w, None, False, None, 24, _CPU)[2].shape) == (4, 2)
+    with pytest.raises(ValueError, match="topk_weights: per_slot=True writes each slot's row unweighted"):
+        _moe._combine_args(r, w, None, True, None, 24, _CPU)
+    with pytest.raises(ValueError, match=r"topk_weights: expected a contiguous \[4, 2\] tensor"):
+        _moe._combine_args(r, w.t(), None, False, None, 24, _CPU)
+    with pytest.raises(ValueError, match=r"out: expected shape \(4, 24\), got \(4, 16\)"):
+        _moe._combine_args(r, None, _bf16(4, 16), False, None, 24, _CPU)
+    with pytest.raises(TypeError, match="out_dtype: expected torch.bfloat16 or torch.float32, got torch.float16"):
+        _moe._combine_args(r, None, None, False, torch.float16, 24, _CPU)
+    with pytest.raises(ValueError, match="d_rows: expected a CUDA tensor, got one on cpu"):
+        weft.moe_combine(torch.zeros(10, 24), r)

@@ -41,8 +41,8 @@ from . import ep  # noqa: E402
 from ._attention import (AgAttention, attention_status, check_attention_status, decode_attention,  # noqa: E402
                          decode_attention_workspace_bytes, flash_attention, sp_decode_attention)
 from ._moe import (MoeAgGroupedGemm, MoeGroupedGemmRs, MoeRouting, check_grouped_status,  # noqa: E402
-                   check_moe_routing_status, grouped_gemm, grouped_status, moe_gathered_rows, moe_route,
-                   moe_routing_status)
+                   check_moe_routing_status, grouped_gemm, grouped_gemm_gathered, grouped_gemm_gathered_combine,
+                   grouped_status, moe_combine, moe_gathered_rows, moe_route, moe_routing_status)
 from ._ops import (AgGemm, GemmAr, GemmRs, ag_gemm, all_gather, all_reduce, all_to_all, all_to_all_v,  # noqa: E402
                    gemm, gemm_ar, gemm_rs, reduce_scatter, ulysses_head_to_seq, ulysses_seq_to_head)
 
@@ -55,5 +55,6 @@ __all__ = [
     "GemmAr", "ep", "flash_attention", "decode_attention", "decode_attention_workspace_bytes", "sp_decode_attention",
     "AgAttention", "attention_status", "check_attention_status", "grouped_gemm", "grouped_status",
     "check_grouped_status", "MoeRouting", "moe_route", "moe_gathered_rows", "moe_routing_status",
-    "check_moe_routing_status", "MoeAgGroupedGemm", "MoeGroupedGemmRs",
+    "check_moe_routing_status", "MoeAgGroupedGemm", "MoeGroupedGemmRs", "grouped_gemm_gathered",
+    "grouped_gemm_gathered_combine", "moe_combine",
 ]

@@ -416,3 +416,128 @@ class MoeGroupedGemmRs(_MoeLayer):
         _out_shape_check(out, shape)
         op.run(hv, wv, *route, _view(topk_weights, "topk_weights"), ov, ctx.stream(ctx.device_index))
         return written(out)
+
+
+# ---- the gathered layout's local ops ----------------------------------------------------------------------------
+
+def _routing_arg(routing, device):
+    if not isinstance(routing, MoeRouting):
+        raise TypeError(f"routing: expected a weft.MoeRouting (weft.moe_route or MoeAgGroupedGemm.routing), got "
+                        f"{type(routing).__name__}")
+    return routing._views(device)
+
+
+def _gathered_operands(a, b, routing, b_layout, device=None):
+    """a, b and the routing checked for a gathered grouped GEMM: (views of a and b, N, the routing's arguments).
+    `device`: the device every tensor must be on (None: a's, which must be a CUDA device)."""
+    torch = torch_module()
+    if not isinstance(b_layout, str) or b_layout not in _B_LAYOUTS:
+        raise ValueError(f"b_layout: expected 'nk' or 'kn', got {b_layout!r}")
+    _check(a, "a", 2, (torch.bfloat16,), device)
+    device = a.device
+    route = _routing_arg(routing, device)
+    if a.shape[0] != routing.tokens:
+        raise ValueError(f"a: expected routing's {routing.tokens} tokens as rows, got shape {tuple(a.shape)}")
+    _check(b, "b", 3, (torch.bfloat16,), device, "a")
+    for t, name in ((a, "a"), (b, "b")):
+        values_are_bytes(t, name)
+    n, b_k = (b.shape[1], b.shape[2]) if b_layout == "nk" else (b.shape[2], b.shape[1])
+    if b.shape[0] != routing.num_experts or b_k != a.shape[1]:
+        want = "[E, N, K]" if b_layout == "nk" else "[E, K, N]"
+        raise ValueError(f"b: expected {want} (b_layout {b_layout!r}) with E = routing's {routing.num_experts} experts "
+                         f"and a's K = {a.shape[1]}, got shape {tuple(b.shape)}")
+    return _view(a, "a"), _view(b, "b"), n, route
+
+
+def _combine_args(routing, topk_weights, out, per_slot, out_dtype, n, device):
+    """The token-order output and the combine's weights and accumulator: (out, its view, weights view or None, acc
+    view or None, weighted_sum)."""
+    torch = torch_module()
+    out_dtypes = (torch.bfloat16, torch.float32)
+    if out_dtype is not None and out_dtype not in out_dtypes:
+        raise TypeError(f"out_dtype: expected torch.bfloat16 or torch.float32, got {out_dtype}")
+    shape = (routing.tokens * routing.topk, n) if per_slot else (routing.tokens, n)
+    weights = None
+    if topk_weights is not None:
+        if per_slot:
+            raise ValueError("topk_weights: per_slot=True writes each slot's row unweighted; pass none")
+        _check(topk_weights, "topk_weights", 2, (torch.float32,), device, "a")
+        if tuple(topk_weights.shape) != (routing.tokens, routing.topk) or not topk_weights.is_contiguous():
+            raise ValueError(f"topk_weights: expected a contiguous [{routing.tokens}, {routing.topk}] tensor "
+                             f"(routing's tokens, topk), got shape {tuple(topk_weights.shape)}")
+        weights = _view(topk_weights, "topk_weights")
+    if out is None:
+        out = torch.empty(shape, dtype=out_dtype or torch.bfloat16, device=device)
+    else:
+        _check(out, "out", 2, out_dtypes if out_dtype is None else (out_dtype,), device, "a")
+        if tuple(out.shape) != shape:
+            raise ValueError(f"out: expected shape {shape}, got {tuple(out.shape)}")
+        values_are_bytes(out, "out")
+    acc = None if per_slot else _view(torch.empty((routing.tokens, n), dtype=torch.float32, device=device), "acc")
+    return out, _view(out, "out"), weights, acc, not per_slot
+
+
+def grouped_gemm_gathered(a, b, routing, out=None, *, b_layout="nk", out_dtype=None, expected_rows_per_group=0,
+                          sm_budget=0, status=None):
+    """The gathered grouped GEMM, rows in expert order: out[r] = a[routing.gather_index[r]] @ b[e].T ("nk": b
+    [E, N, K]; "kn": b [E, K, N], @ b[e]) for the rows r of each expert e (routing.offsets / counts). a bf16 [tokens, K]
+    (routing.tokens rows), b bf16; out [routing.rows_capacity, N] bf16 or float32 (allocated when None, of out_dtype,
+    default bf16); rows of no expert are not written. The rows are gathered into a bf16 [rows_capacity, K] workspace
+    the call allocates, then multiplied by the contiguous grouped GEMM (options and status as grouped_gemm's). A local
+    op on a's GPU and torch's current stream. Returns out."""
+    torch = torch_module()
+    av, bv, n, route = _gathered_operands(a, b, routing, b_layout)
+    shape = (routing.rows_capacity, n)
+    if out is None:
+        out, padded = _new_out(shape, out_dtype or torch.bfloat16, a.device)
+    else:
+        padded = None
+        _check(out, "out", 2, (torch.bfloat16, torch.float32) if out_dtype is None else (out_dtype,), a.device, "a")
+        if tuple(out.shape) != shape:
+            raise ValueError(f"out: expected shape {shape} (routing's rows_capacity, N), got {tuple(out.shape)}")
+        values_are_bytes(out, "out")
+    a_rows = torch.empty((routing.rows_capacity, a.shape[1]), dtype=torch.bfloat16, device=a.device)
+    status_view = _status_view(status, a.device, "grouped_status", "a")
+    device = a.device.index
+    _weft.grouped_gemm_gathered(av, bv, _view(out, "out"), _B_LAYOUTS[b_layout], *route, _view(a_rows, "a_rows"),
+                                device, _tensor._raw_stream(device), _number(sm_budget, "sm_budget", int),
+                                _number(expected_rows_per_group, "expected_rows_per_group", int), status_view)
+    return written(out) if padded is None else out.contiguous()
+
+
+def grouped_gemm_gathered_combine(a, b, routing, topk_weights=None, out=None, *, per_slot=False, b_layout="nk",
+                                  out_dtype=None, expected_rows_per_group=0, sm_budget=0, status=None):
+    """The gathered grouped GEMM written back to token order: with per_slot=False (default) out [tokens, N] row t = the
+    sum over t's slots k (by ascending expert, then k) of topk_weights[t, k] (1 when None) times slot (t, k)'s product
+    row, in fp32 and rounded once (zeros for a token with no slot); with per_slot=True out [tokens * topk, N] row
+    t * topk + k = slot (t, k)'s row (zeros for a dropped slot). N a multiple of 8; out bf16 or float32; a, b, routing
+    as grouped_gemm_gathered's. Deterministic (the same bits on every run). Returns out."""
+    torch = torch_module()
+    av, bv, n, route = _gathered_operands(a, b, routing, b_layout)
+    out, ov, weights, acc, weighted = _combine_args(routing, topk_weights, out, per_slot, out_dtype, n, a.device)
+    a_rows = torch.empty((routing.rows_capacity, a.shape[1]), dtype=torch.bfloat16, device=a.device)
+    d_rows = torch.empty((routing.rows_capacity, n), dtype=torch.float32, device=a.device)
+    status_view = _status_view(status, a.device, "grouped_status", "a")
+    device = a.device.index
+    _weft.grouped_gemm_gathered_combine(av, bv, ov, _B_LAYOUTS[b_layout], *route, weighted, weights,
+                                        _view(a_rows, "a_rows"), _view(d_rows, "d_rows"), acc, device,
+                                        _tensor._raw_stream(device), _number(sm_budget, "sm_budget", int),
+                                        _number(expected_rows_per_group, "expected_rows_per_group", int), status_view)
+    return written(out)
+
+
+def moe_combine(d_rows, routing, topk_weights=None, out=None, *, per_slot=False, out_dtype=None):
+    """The combine alone: d_rows float32 [routing.rows_capacity, N] (rows in expert order, e.g. a grouped GEMM's fp32
+    output on the gathered rows) back to token order as grouped_gemm_gathered_combine writes it. One launch on torch's
+    current stream of d_rows' GPU; deterministic. Returns out."""
+    torch = torch_module()
+    _check(d_rows, "d_rows", 2, (torch.float32,))
+    route = _routing_arg(routing, d_rows.device)
+    if d_rows.shape[0] != routing.rows_capacity:
+        raise ValueError(f"d_rows: expected routing's {routing.rows_capacity} rows (rows_capacity), got shape "
+                         f"{tuple(d_rows.shape)}")
+    out, ov, weights, acc, weighted = _combine_args(routing, topk_weights, out, per_slot, out_dtype, d_rows.shape[1],
+                                                    d_rows.device)
+    device = d_rows.device.index
+    _weft.moe_combine(_view(d_rows, "d_rows"), *route, weighted, weights, acc, ov, device, _tensor._raw_stream(device))
+    return written(out)

@@ -180,3 +180,37 @@ def test_ep_moe_block_against_torch(rank, num_ranks, tokens, hidden, ffn, expert
         assert rel_error(out, want) < 2e-2
     finally:
         block.close()
+
+
+@pytest.mark.parametrize("tokens,k_dim,n,num_experts,topk,b_layout", [(37, 64, 48, 5, 2, "nk"), (200, 136, 264, 16, 6,
+                                                                                                   "kn")])
+def test_gathered_grouped_gemm_and_combine_against_torch(tokens, k_dim, n, num_experts, topk, b_layout):
+    a = _weights((tokens, k_dim), 60, 1.0)
+    b = _weights((num_experts, n, k_dim) if b_layout == "nk" else (num_experts, k_dim, n), 61, k_dim ** -0.5)
+    idx = _topk_idx(tokens, topk, num_experts, 62)
+    weights = torch.rand((tokens, topk), generator=rank_generator(63), device="cuda")
+    r = weft.moe_route(idx, num_experts)
+
+    def expert(e):
+        return b[e].float().T if b_layout == "nk" else b[e].float()
+
+    d = weft.grouped_gemm_gathered(a, b, r, torch.full((r.rows_capacity, n), float("nan"), device="cuda"),
+                                   b_layout=b_layout)
+    per_slot = weft.grouped_gemm_gathered_combine(a, b, r, per_slot=True, b_layout=b_layout, out_dtype=torch.float32)
+    summed = weft.grouped_gemm_gathered_combine(a, b, r, weights, b_layout=b_layout)
+    combined = weft.moe_combine(d, r, weights)
+    torch.cuda.synchronize()
+    offsets, counts = r.offsets.tolist(), r.counts.tolist()
+    want_slots = torch.zeros((tokens, topk, n), device="cuda")
+    for e in range(num_experts):
+        rows = slice(offsets[e], offsets[e] + counts[e])
+        toks = r.gather_index[rows].long()
+        want = a[toks].float() @ expert(e)
+        assert rel_error(d[rows], want) < 1e-2
+        want_slots[toks, (idx[toks] == e).int().argmax(dim=1)] = want
+    assert rel_error(per_slot, want_slots.reshape(tokens * topk, n)) < 1e-2
+    dropped = (idx.reshape(-1) < 0)
+    assert bool((per_slot[dropped] == 0).all())
+    want_sum = (want_slots * weights[..., None]).sum(dim=1)
+    assert summed.dtype == torch.bfloat16 and rel_error(summed, want_sum) < 2e-2
+    assert torch.equal(combined, summed)  # the same fp32 rows, the same order of the sums
