@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: MIT
-# The MoE layers from Python: weft.moe_route against the layout's rules, the tensor-parallel layers (MoeAgGroupedGemm,
-# MoeGroupedGemmRs) against torch matmuls over the whole weights, and weft.ep.MoeBlock against a torch MoE block.
+# The MoE layers from Python: weft.moe_route against the layout's rules, the gathered grouped GEMMs and combine and the
+# tensor-parallel layers (MoeAgGroupedGemm, MoeGroupedGemmRs) against torch matmuls over the whole weights, and
+# weft.ep.MoeBlock against a torch MoE block.
 # Inputs are made from seeds shared by every rank (each rank takes its shard); outputs are poisoned first.
 import pytest
 import torch
