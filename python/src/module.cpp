@@ -610,10 +610,10 @@ NB_MODULE(_weft, m) {
            const TensorView& seq_lens, int64_t max_seq_len, const TensorView& out, const std::optional<TensorView>& lse,
            int device, uintptr_t stream, std::optional<float> scale, int num_splits,
            const std::optional<TensorView>& workspace, const std::optional<TensorView>& status) {
+            const ops::DecodeAttentionOptions o = decode_options(scale, num_splits, workspace, status);
             DeviceScope scope(device);
             ops::decode_attention(q, k_cache, v_cache, block_table, seq_lens, max_seq_len, out,
-                                  lse ? *lse : TensorView(), as_stream(stream),
-                                  decode_options(scale, num_splits, workspace, status));
+                                  lse ? *lse : TensorView(), as_stream(stream), o);
         },
         "q"_a, "k_cache"_a, "v_cache"_a, "block_table"_a, "seq_lens"_a, "max_seq_len"_a, "out"_a, "lse"_a.none(),
         "device"_a, "stream"_a, "scale"_a.none(), "num_splits"_a, "workspace"_a.none(), "status"_a.none(), Release());

@@ -104,6 +104,11 @@ def test_the_moe_routing_bindings_check_their_arrays_before_the_op():
     with pytest.raises(weft.Error, match=r"status: expected a contiguous int32 tensor of 4 elements "
                                          r"\(weft.moe_routing_status\(\)\)"):
         _weft.moe_route(idx, counts, offsets, gather, slots, 1, view((3,)), 0, 0)
+    # decode attention's status too (the Python wrapper checks it first; the binding does not take it unchecked).
+    q, cache, table, lens = view((2, 4, 64), "bf16"), view((8, 16, 1, 64), "bf16"), view((2, 4)), view((2,))
+    with pytest.raises(weft.Error, match=r"status: expected a contiguous int32 tensor of 4 elements "
+                                         r"\(weft.attention_status\(\)\), got i64\[4\]"):
+        _weft.decode_attention(q, cache, cache, table, lens, 64, q, None, 0, 0, None, 0, None, view((4,), "i64"))
     assert _weft.describe_moe_routing_status(0, 0, 0, 0) == ""
     assert "expert index 9, outside [-1, 4)" in _weft.describe_moe_routing_status(1, 5, 9, 4)
     with pytest.raises(weft.Error, match="shape.max_tokens must be a positive multiple of the team's num_ranks 2"):
