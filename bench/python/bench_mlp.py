@@ -99,6 +99,22 @@ def rel_error(actual, expected):
     return ((actual - expected).norm() / norm).item()
 
 
+def stop_unless_outputs_agree(bench, actual, expected, tol, rank):
+    """The worst rank's relative error between weft's output and the baseline's; when it is above `tol` (or NaN) every
+    rank stops the run (rank 0 says why) before anything is timed."""
+    err = torch.tensor([rel_error(actual, expected)], dtype=torch.float64, device="cuda")
+    dist.all_reduce(err, op=dist.ReduceOp.MAX)
+    err = err.item()
+    if not err <= tol:  # also catches NaN
+        if rank == 0:
+            print(f"{bench}: weft and the torch baseline disagree: relative error {err:.3g} on the worst rank, "
+                  f"expected at most {tol:g}; nothing timed")
+        weft.finalize()
+        dist.destroy_process_group()
+        raise SystemExit(1)
+    return err
+
+
 def measure(fn, iters, warmup):
     """Device ms per call of `iters` back-to-back calls."""
     warmed_up(fn, warmup)
@@ -165,16 +181,7 @@ def main():
     with torch.no_grad():
         y_weft = mlp(inputs[0]).clone()
         y_torch = baseline(inputs[0]).clone()
-        err = torch.tensor([rel_error(y_weft, y_torch)], dtype=torch.float64, device="cuda")
-        dist.all_reduce(err, op=dist.ReduceOp.MAX)
-        err = err.item()
-        if not err <= args.tol:  # also catches NaN
-            if rank == 0:
-                print(f"bench_mlp: weft and the torch baseline disagree: relative error {err:.3g} on the worst rank, "
-                      f"expected at most {args.tol:g}; nothing timed")
-            weft.finalize()
-            dist.destroy_process_group()
-            raise SystemExit(1)
+        err = stop_unless_outputs_agree("bench_mlp", y_weft, y_torch, args.tol, rank)
 
         paths = {"weft": rotating(mlp, inputs), "torch": rotating(baseline, inputs)}
         times = [[measure(fn, args.iters, args.warmup) for fn in paths.values()]]

@@ -25,7 +25,7 @@ import os
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from bench_mlp import check_gloo_collectives, init_distributed, measure, rel_error
+from bench_mlp import check_gloo_collectives, init_distributed, measure, stop_unless_outputs_agree
 
 import weft
 
@@ -114,14 +114,7 @@ def main():
             return down.run(F.silu(y), w_down, up.routing, weights, out)
 
         baseline = torch_layer(x_local, idx, weights, w_up, w_down, num_ranks)
-        err = torch.tensor([rel_error(weft_layer().clone(), baseline().clone())], dtype=torch.float64, device="cuda")
-        dist.all_reduce(err, op=dist.ReduceOp.MAX)
-        err = err.item()
-        if not err <= args.tol:  # also catches NaN
-            if rank == 0:
-                print(f"bench_moe: weft and the torch baseline disagree: relative error {err:.3g} on the worst rank, "
-                      f"expected at most {args.tol:g}; nothing timed")
-            raise SystemExit(1)
+        err = stop_unless_outputs_agree("bench_moe", weft_layer().clone(), baseline().clone(), args.tol, rank)
         times = torch.tensor([measure(weft_layer, args.iters, args.warmup),
                               measure(baseline, args.iters, args.warmup)], dtype=torch.float64, device="cuda")
     dist.all_reduce(times, op=dist.ReduceOp.MAX)

@@ -285,12 +285,17 @@ def test_ep_low_latency_combine_checks_topk_idx_before_making_out_from_it(calls)
         buf.low_latency_combine(handle, None, torch.zeros(4, 2, dtype=torch.int64), weights, phase="recv")
 
 
-class _StandInGemmAr:
-    def __init__(self, *args, **kwargs):
-        self.runs = []
+class _StandInOp:
+    """A C++ op (or its constructor's stand-in) that records its calls."""
+
+    def __init__(self, *args, rows_capacity=0, **kwargs):
+        self.runs, self.forwards, self.rows_capacity = [], [], rows_capacity
 
     def run(self, *args):
         self.runs.append(args)
+
+    def forward(self, *args, **kwargs):
+        self.forwards.append((args, kwargs))
 
     def close(self):
         pass
@@ -305,7 +310,7 @@ def test_gemm_ar_calls_its_wrapper_refuses_keep_their_place_in_the_teams_calls(c
     # dtype, n % 8 == 0): a call refused by the wrapper's own checks counts as the C++ op's refusals do (a rank that
     # goes on fails its next call on every rank instead of pairing with the peers' refused call); with the op's own
     # all-reduce kernel (no collective, or fp32 partials) nothing is counted.
-    monkeypatch.setattr(_weft, "GemmAr", _StandInGemmAr)
+    monkeypatch.setattr(_weft, "GemmAr", _StandInOp)
     world = _runtime._state.world
     op = weft.GemmAr(8, 16, 32, torch.bfloat16, collective_all_reduce=collective_all_reduce,
                      partial_dtype=partial_dtype)
@@ -342,23 +347,10 @@ def test_sp_decode_attention_counts_the_calls_it_refuses(calls, monkeypatch):
     assert calls == [("count_refused_collective_call", (world, None))] * 2
 
 
-class _StandInOp:
-    """A C++ op that records its calls."""
-
-    def __init__(self, rows_capacity=0):
-        self.runs, self.forwards, self.rows_capacity = [], [], rows_capacity
-
-    def run(self, *args):
-        self.runs.append(args)
-
-    def forward(self, *args, **kwargs):
-        self.forwards.append((args, kwargs))
-
-
 def _moe_layer(cls, max_tokens=16, hidden=64, ffn=32, num_experts=4, topk=2, num_ranks=2, rows_capacity=40):
     """A TP MoE layer as its constructor leaves it, its C++ op a stand-in that records its calls."""
     op = object.__new__(cls)
-    op._op, op._ctx, op._team = _StandInOp(rows_capacity), _runtime._state.call_context, None
+    op._op, op._ctx, op._team = _StandInOp(rows_capacity=rows_capacity), _runtime._state.call_context, None
     op.max_tokens, op.hidden, op.ffn, op.num_experts, op.topk, op.num_ranks = (max_tokens, hidden, ffn, num_experts,
                                                                               topk, num_ranks)
     return op

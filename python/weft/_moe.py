@@ -6,7 +6,7 @@ graph-capturable once its kernel is loaded). moe_route (local too) and the tenso
 (MoeAgGroupedGemm, MoeGroupedGemmRs: collective, after weft.init) work in the gathered layout of a top-k routing."""
 from . import _tensor, _weft
 from ._attention import _INT32, _INT64, _check, _number, _status_record, _status_view, _view, _zeroed_status
-from ._ops import _FusedOp, _out_shape_check
+from ._ops import _FusedOp, _out_shape_check, _padded_out
 from ._tensor import check_tensor, heap_tensor, matrix_view, torch_module, values_are_bytes, written
 from ._weft import Error
 
@@ -23,19 +23,6 @@ def _group_array(t, name, groups, device):
     if groups > 1 and t.stride(0) != 1:
         raise ValueError(f"{name}: expected a contiguous tensor, got stride {t.stride(0)}; call .contiguous()")
     return _view(t, name)
-
-
-def _new_out(shape, dtype, device):
-    """A new output of `shape` whose rows start at multiples of 16 bytes (the kernel stores rows with TMA): (the tensor
-    to write, None), or, when N is not a multiple of 16 bytes' elements, (the first N columns of a padded allocation,
-    the allocation); the caller then returns a contiguous copy. Uninitialised (torch.empty)."""
-    torch = torch_module()
-    per16 = 128 // torch.finfo(dtype).bits
-    n = shape[-1]
-    if n % per16 == 0:
-        return torch.empty(shape, dtype=dtype, device=device), None
-    padded = torch.empty((*shape[:-1], -(-n // per16) * per16), dtype=dtype, device=device)
-    return padded[..., :n], padded
 
 
 def _grouped_args(a, b, counts, offsets, out, b_layout, out_dtype, a_scales, expected_rows_per_group, sm_budget,
@@ -99,7 +86,7 @@ def _grouped_args(a, b, counts, offsets, out, b_layout, out_dtype, a_scales, exp
     shape = (groups, a.shape[1], n) if masked else (a.shape[0], n)
     padded = None
     if out is None:
-        out, padded = _new_out(shape, out_dtype or in_dtype, device)
+        out, padded = _padded_out(shape, out_dtype or in_dtype, device)
     else:
         _check(out, "out", len(shape), out_dtypes if out_dtype is None else (out_dtype,), device, "a")
         if tuple(out.shape) != shape:
@@ -489,7 +476,7 @@ def grouped_gemm_gathered(a, b, routing, out=None, *, b_layout="nk", out_dtype=N
     av, bv, n, route = _gathered_operands(a, b, routing, b_layout)
     shape = (routing.rows_capacity, n)
     if out is None:
-        out, padded = _new_out(shape, out_dtype or torch.bfloat16, a.device)
+        out, padded = _padded_out(shape, out_dtype or torch.bfloat16, a.device)
     else:
         padded = None
         _check(out, "out", 2, (torch.bfloat16, torch.float32) if out_dtype is None else (out_dtype,), a.device, "a")

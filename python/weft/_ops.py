@@ -26,6 +26,11 @@ def _context(team, op):
     return ctx, _runtime._cpp_team(team, op, state)
 
 
+def _team_size(ctx, cpp_team):
+    """The ranks of a call's team: the C++ team's, or (None) the World's."""
+    return ctx.num_ranks if cpp_team is None else cpp_team.num_ranks
+
+
 def _stream(ctx):
     """torch's current CUDA stream on the World's device, as an integer (cudaStream_t)."""
     return ctx.stream(ctx.device_index)
@@ -84,7 +89,7 @@ def all_gather(tensor, out=None, *, algo="auto", team=None):
     ctx, cpp_team = _context(team, "all_gather")
     try:
         ptr, count, code = bytes_arg(tensor, "tensor", ctx)  # count: elements of `code` (bytes for a dtype as u8)
-        n = ctx.num_ranks if cpp_team is None else cpp_team.num_ranks
+        n = _team_size(ctx, cpp_team)
         shape = tuple(tensor.shape)
         concatenated = (n * shape[0], *shape[1:]) if shape else (n,)
         if out is not None:
@@ -108,7 +113,7 @@ def reduce_scatter(tensor, out=None, *, algo="auto", team=None):
     ctx, cpp_team = _context(team, "reduce_scatter")
     try:
         ptr, numel, code = flat_arg(tensor, "tensor", ctx, ctx.reducible)
-        n = ctx.num_ranks if cpp_team is None else cpp_team.num_ranks
+        n = _team_size(ctx, cpp_team)
         shape = tensor.shape
         if not shape or shape[0] % n != 0:
             raise ValueError(f"tensor: expected dim 0 a multiple of the {n} ranks, got shape {tuple(shape)}")
@@ -135,7 +140,7 @@ def all_to_all(tensor, out=None, *, team=None):
     ctx, cpp_team = _context(team, "all_to_all")
     try:
         ptr, count, code = bytes_arg(tensor, "tensor", ctx)
-        n = ctx.num_ranks if cpp_team is None else cpp_team.num_ranks
+        n = _team_size(ctx, cpp_team)
         shape = tuple(tensor.shape)
         if not shape or shape[0] % n != 0:
             raise ValueError(f"tensor: expected dim 0 a multiple of the {n} ranks, got shape {shape}")
@@ -173,7 +178,7 @@ def all_to_all_v(tensor, send_counts, recv_counts, out=None, *, team=None):
     ctx, cpp_team = _context(team, "all_to_all_v")
     try:
         ptr, count, code = bytes_arg(tensor, "tensor", ctx)
-        n = ctx.num_ranks if cpp_team is None else cpp_team.num_ranks
+        n = _team_size(ctx, cpp_team)
         shape = tuple(tensor.shape)
         if not shape:
             raise ValueError("tensor: expected at least one dimension (rows along dim 0), got a 0-d tensor")
@@ -201,7 +206,7 @@ def _ulysses(x, out, team, seq_to_head):
     ctx, cpp_team = _context(team, op)
     try:
         check_tensor(x, "x", ctx, ctx.all_dtypes)
-        n = ctx.num_ranks if cpp_team is None else cpp_team.num_ranks
+        n = _team_size(ctx, cpp_team)
         if x.dim() != 3 or not x.is_contiguous():
             raise ValueError(f"x: expected a contiguous 3-D tensor, got shape {tuple(x.shape)} and strides {x.stride()}")
         rows, heads, dim = x.shape
@@ -245,16 +250,25 @@ def ulysses_head_to_seq(x, out=None, *, team=None):
     """The inverse of ulysses_seq_to_head: x [S, H / W, D] becomes out [S / W, H, D] (S a multiple of W)."""
     return _ulysses(x, out, team, False)
 
-def _empty_out(rows, n, dtype, device):
-    """An output [rows, n] for a kernel whose row stride must be a multiple of 16 bytes (TMA): (the view to write,
-    the padded allocation under it or None). With n a multiple of 16 bytes' elements the view is contiguous; else it
-    is the first n columns of a padded allocation, which the caller copies out contiguous after the call."""
+
+def _padded_out(shape, dtype, device):
+    """A new output of `shape` whose rows start at multiples of 16 bytes, for a kernel that stores rows with TMA: (the
+    tensor to write, None), or, when the last extent is not a multiple of 16 bytes' elements, (its first columns in a
+    padded allocation, the allocation): the caller then returns a contiguous copy. Uninitialised (torch.empty)."""
     torch = torch_module()
     per16 = 16 // torch.empty((0,), dtype=dtype).element_size()
-    if rows <= 1 or n % per16 == 0:
-        return torch.empty((rows, n), dtype=dtype, device=device), None
-    padded = torch.empty((rows, (n + per16 - 1) // per16 * per16), dtype=dtype, device=device)
-    return padded[:, :n], padded
+    n = shape[-1]
+    if n % per16 == 0:
+        return torch.empty(shape, dtype=dtype, device=device), None
+    padded = torch.empty((*shape[:-1], -(-n // per16) * per16), dtype=dtype, device=device)
+    return padded[..., :n], padded
+
+
+def _empty_out(rows, n, dtype, device):
+    """An output [rows, n] as _padded_out makes it; one row (no row stride to align) is never padded."""
+    if rows <= 1:
+        return torch_module().empty((rows, n), dtype=dtype, device=device), None
+    return _padded_out((rows, n), dtype, device)
 
 
 def gemm(a, b, out=None, *, b_layout="nk", out_dtype=None):
