@@ -44,10 +44,10 @@ __device__ __forceinline__ void stage_subtile(const float (&acc)[GemmTraits<kCfg
 #pragma unroll
         for (int p = 0; p < 4; ++p) {
             const int g = kJ * 8 + 2 * p;
-            const unsigned r0 = pack2<kCfg.out_dtype>(acc[4 * g + 0], acc[4 * g + 1]);
-            const unsigned r1 = pack2<kCfg.out_dtype>(acc[4 * g + 2], acc[4 * g + 3]);
-            const unsigned r2 = pack2<kCfg.out_dtype>(acc[4 * g + 4], acc[4 * g + 5]);
-            const unsigned r3 = pack2<kCfg.out_dtype>(acc[4 * g + 6], acc[4 * g + 7]);
+            const unsigned r0 = ptx::cvt_rn_16x2<kCfg.out_dtype>(acc[4 * g + 0], acc[4 * g + 1]);
+            const unsigned r1 = ptx::cvt_rn_16x2<kCfg.out_dtype>(acc[4 * g + 2], acc[4 * g + 3]);
+            const unsigned r2 = ptx::cvt_rn_16x2<kCfg.out_dtype>(acc[4 * g + 4], acc[4 * g + 5]);
+            const unsigned r3 = ptx::cvt_rn_16x2<kCfg.out_dtype>(acc[4 * g + 6], acc[4 * g + 7]);
             const int chunk = 2 * p + (mi >> 1);
             const unsigned addr = buf + row * 128 + ((chunk ^ (row & 7)) << 4);
             ptx::stmatrix_x4(addr, r0, r1, r2, r3);
@@ -140,7 +140,7 @@ __device__ __forceinline__ void st_global_pair(void* base, int64_t idx, float lo
     if constexpr (kOut == DType::kF32) {
         *reinterpret_cast<float2*>(static_cast<float*>(base) + idx) = make_float2(lo, hi);
     } else {
-        *reinterpret_cast<unsigned*>(static_cast<unsigned short*>(base) + idx) = pack2<kOut>(lo, hi);
+        *reinterpret_cast<unsigned*>(static_cast<unsigned short*>(base) + idx) = ptx::cvt_rn_16x2<kOut>(lo, hi);
     }
 }
 
@@ -211,10 +211,10 @@ __device__ __forceinline__ void stage_subtile_swapped(const float (&acc)[GemmTra
 #pragma unroll
         for (int p = 0; p < kRows / 16; ++p) {
             const int j = 8 * kR + 2 * p;
-            const unsigned r0 = pack2<kCfg.out_dtype>(acc[4 * j + 0], acc[4 * j + 1]);
-            const unsigned r1 = pack2<kCfg.out_dtype>(acc[4 * j + 2], acc[4 * j + 3]);
-            const unsigned r2 = pack2<kCfg.out_dtype>(acc[4 * j + 4], acc[4 * j + 5]);
-            const unsigned r3 = pack2<kCfg.out_dtype>(acc[4 * j + 6], acc[4 * j + 7]);
+            const unsigned r0 = ptx::cvt_rn_16x2<kCfg.out_dtype>(acc[4 * j + 0], acc[4 * j + 1]);
+            const unsigned r1 = ptx::cvt_rn_16x2<kCfg.out_dtype>(acc[4 * j + 2], acc[4 * j + 3]);
+            const unsigned r2 = ptx::cvt_rn_16x2<kCfg.out_dtype>(acc[4 * j + 4], acc[4 * j + 5]);
+            const unsigned r3 = ptx::cvt_rn_16x2<kCfg.out_dtype>(acc[4 * j + 6], acc[4 * j + 7]);
             const int row = 16 * p + 8 * (mi >> 1) + lane % 8;
             const int chunk = 2 * warp_in_wg + (mi & 1);
             ptx::stmatrix_x4_trans(buf + row * 128 + ((chunk ^ (row & 7)) << 4), r0, r1, r2, r3);

@@ -41,16 +41,6 @@ inline constexpr int kBarConsumer0 = 1;
 inline constexpr int kBarBothConsumers = 3;
 inline constexpr int kBarMainloopTurn0 = 4;
 
-/// Two floats to packed 16-bit kOut (lo in the low half), rounded to nearest even.
-template <DType kOut>
-__device__ __forceinline__ unsigned pack2(float lo, float hi) {
-    if constexpr (kOut == DType::kBF16) {
-        return ptx::cvt_rn_bf16x2(lo, hi);
-    } else {
-        return ptx::cvt_rn_f16x2(lo, hi);
-    }
-}
-
 __device__ __forceinline__ void st_shared_v2_f32(unsigned addr, float x, float y) {
     asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(x), "f"(y) : "memory");
 }

@@ -31,16 +31,6 @@ __device__ __forceinline__ unsigned short float_to_half_bits(float f) {
     }
 }
 
-/// Two fp32 to two 16-bit elements packed little-endian (`lo` at the lower address), round to nearest even.
-template <DType kT>
-__device__ __forceinline__ uint32_t float2_to_half2_bits(float lo, float hi) {
-    if constexpr (kT == DType::kBF16) {
-        return ptx::cvt_rn_bf16x2(lo, hi);
-    } else {
-        return ptx::cvt_rn_f16x2(lo, hi);
-    }
-}
-
 /// Loads element `i` of a row of dtype kT as fp32 (plain load: the data was acquired before).
 template <DType kT>
 __device__ __forceinline__ float load_elem(const void* row, int64_t i) {
@@ -111,7 +101,7 @@ __device__ __forceinline__ void store8(void* p, const float (&v)[8]) {
     } else {
         unsigned w[4];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) w[i] = float2_to_half2_bits<kT>(v[2 * i], v[2 * i + 1]);
+        for (int i = 0; i < 4; ++i) w[i] = ptx::cvt_rn_16x2<kT>(v[2 * i], v[2 * i + 1]);
         ptx::st(static_cast<uint4*>(p), make_uint4(w[0], w[1], w[2], w[3]));
     }
 }

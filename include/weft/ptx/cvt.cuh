@@ -4,6 +4,7 @@
 //
 //     uint32_t two_bf16 = ptx::cvt_rn_bf16x2(lo, hi);                 // lo -> bits 0..15, hi -> 16..31
 //     uint32_t two_f16  = ptx::cvt_rn_f16x2(lo, hi);                  // the same for f16
+//     uint32_t two      = ptx::cvt_rn_16x2<kT>(lo, hi);               // either, by DType (kBF16 or kF16)
 //     uint16_t one_bf16 = ptx::cvt_rn_bf16(x);                        // one value: cvt_rn_f16 for f16
 //     uint16_t two_fp8  = ptx::cvt_rn_satfinite_e4m3x2(lo, hi);       // lo -> bits 0..7,  hi -> 8..15
 //     uint32_t two_f16e = ptx::cvt_rn_f16x2_e4m3x2(two_fp8);          // exact
@@ -18,6 +19,7 @@
 // register operations: no memory clobber, the compiler may schedule them freely.
 #pragma once
 
+#include "weft/common/dtype.hpp"
 #include "weft/common/macros.hpp"
 
 namespace weft::ptx {
@@ -36,6 +38,17 @@ __device__ __forceinline__ uint32_t cvt_rn_f16x2(float lo, float hi) {
     uint32_t d;
     asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
     return d;
+}
+
+/// Two floats to two 16-bit values of dtype kT (kBF16 or kF16), packed as cvt_rn_bf16x2 / cvt_rn_f16x2 pack them.
+template <DType kT>
+__device__ __forceinline__ uint32_t cvt_rn_16x2(float lo, float hi) {
+    static_assert(kT == DType::kBF16 || kT == DType::kF16, "cvt_rn_16x2: kT must be bf16 or f16");
+    if constexpr (kT == DType::kBF16) {
+        return cvt_rn_bf16x2(lo, hi);
+    } else {
+        return cvt_rn_f16x2(lo, hi);
+    }
 }
 
 /// One float to bf16 bits (round to nearest, ties to even; NaN stays NaN). `cvt.rn.bf16.f32`.
