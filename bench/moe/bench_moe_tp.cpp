@@ -123,8 +123,7 @@ Row run_shape(World& w, weft::bench::SlowestRank& slowest, const MoeShape& s, co
         out(static_cast<size_t>(tpr * h) * 4), out_base(static_cast<size_t>(tpr * h) * 4),
         counts(static_cast<size_t>(s.experts) * 4), offsets(static_cast<size_t>(s.experts + 1) * 4),
         gather(static_cast<size_t>(rows) * 4), slots(static_cast<size_t>(m * s.topk) * 4),
-        a_rows(static_cast<size_t>(rows * h) * 2), d_rows(static_cast<size_t>(rows * h) * 4),
-        acc(static_cast<size_t>(m * h) * 4);
+        a_rows(static_cast<size_t>(rows * h) * 2), d_rows(static_cast<size_t>(rows * h) * 4);
     weft::SymmetricHeap& heap = w.heap();
     void* x_full = heap.alloc(w.team(), static_cast<uint64_t>(m * h) * 2);
     void* combined = heap.alloc(w.team(), static_cast<uint64_t>(m * h) * 4);
@@ -154,7 +153,7 @@ Row run_shape(World& w, weft::bench::SlowestRank& slowest, const MoeShape& s, co
     const TensorView w1v(w1.ptr, DType::kBF16, {s.experts, h, fl}), wv(weights.ptr, DType::kF32, {m, s.topk});
     const TensorView ov(out.ptr, DType::kF32, {tpr, h}), obv(out_base.ptr, DType::kF32, {tpr, h});
     const TensorView xfv(x_full, DType::kBF16, {m, h}), arv(a_rows.ptr, DType::kBF16, {rows, h});
-    const TensorView drv(d_rows.ptr, DType::kF32, {rows, h}), accv(acc.ptr, DType::kF32, {m, h});
+    const TensorView drv(d_rows.ptr, DType::kF32, {rows, h});
     const TensorView cv(combined, DType::kF32, {m, h});
     {
         const weft::ops::MoeTpShape shape{
@@ -172,7 +171,7 @@ Row run_shape(World& w, weft::bench::SlowestRank& slowest, const MoeShape& s, co
         auto layer1 = [&](int) { down.run(hv, w1v, up.routing(), wv, ov, st); };
         auto base1 = [&](int) {
             weft::ops::grouped_gemm_contiguous(hv, w1v, drv, BLayout::kNK, rt.offsets, rt.counts, st);
-            weft::ops::moe_combine(drv, rt, weft::ops::MoeCombineMode::kWeightedSum, wv, accv, cv, st);
+            weft::ops::moe_combine(drv, rt, weft::ops::MoeCombineMode::kWeightedSum, wv, cv, st);
             weft::ops::reduce_scatter(w, cv, obv, st);
         };
         // Both routings exist before layer 1 and its baseline run (layer 1 reads them).

@@ -5,7 +5,8 @@
 // partial products), and two one-block helpers (moe_notify_kernel, moe_wait_kernel) of the layers' call protocol.
 //
 //   moe_gather_kernel<0>            one warp per row, 16-byte copies
-//   moe_combine_kernel<0>           one warp per token; waits per (group, source) when MoeCombineArgs::done is set
+//   moe_combine_kernel<0>           one warp per token; waits per (group, source) for MoeCombineArgs::done
+//   moe_combine_ready_kernel<0>     one warp per token, no waits (every source's rows written before the launch)
 //   moe_notify_kernel<0>            1 block of 32 threads
 //   moe_wait_kernel<0>              1 block of 32 threads
 //   moe_push_rows_kernel<0>         TP MoE layer 0: this rank's rows into every member's gathered A
@@ -119,16 +120,78 @@ __device__ __forceinline__ float4 sources_sum(const MoeCombineArgs& a, int32_t r
     return v;
 }
 
-}  // namespace detail
+/// The combine without waits (every source's rows are written before the launch), one
+/// pass in token order: kPerSlot writes each slot's row (zeros for a dropped one); kWeightedSum sums a token's slots in
+/// fp32 registers, in ascending row order (for a routing moe_route made: ascending expert, then k, as the waiting
+/// combine's group walk adds them, so both give the same bits), and casts once. A slot row outside [0, rows) is a
+/// dropped slot. No scratch: each token's partial rows are read once.
+__device__ __forceinline__ void combine_ready(const MoeCombineArgs& a) {
+    constexpr int kWarps = kMoeThreads / 32;
+    constexpr int kMaxTopk = weft::moe::kMoeMaxTopk;
+    __shared__ int32_t sorted_rows[kWarps][kMaxTopk];
+    __shared__ float sorted_weights[kWarps][kMaxTopk];
+    const int lane = static_cast<int>(threadIdx.x) % 32;
+    const int warp = static_cast<int>(threadIdx.x) / 32;
+    const int32_t warp0 = static_cast<int32_t>(blockIdx.x) * kWarps + warp;
+    const int32_t num_warps = static_cast<int32_t>(gridDim.x) * kWarps;
+    const bool sum = a.mode == MoeCombineMode::kWeightedSum;
+    const int32_t quads = a.n / 4;
+    for (int32_t t = warp0; t < a.tokens; t += num_warps) {
+        const int64_t slot0 = static_cast<int64_t>(a.token_begin + t) * a.topk;
+        if (!sum) {
+            for (int32_t k = 0; k < a.topk; ++k) {
+                const int32_t row = a.slot_rows[slot0 + k];
+                const bool valid = row >= 0 && row < a.rows;
+                for (int32_t c = lane; c < quads; c += 32) {
+                    const float4 v = valid ? sources_sum(a, row, 4 * c) : make_float4(0.f, 0.f, 0.f, 0.f);
+                    store4(a, static_cast<int64_t>(t) * a.topk + k, 4 * c, v);
+                }
+            }
+            continue;
+        }
+        // Lane j (and j + 32) holds slot j; its place among the valid slots in (row, j) order.
+        const int32_t row_lo = lane < a.topk ? a.slot_rows[slot0 + lane] : -1;
+        const int32_t row_hi = lane + 32 < a.topk ? a.slot_rows[slot0 + lane + 32] : -1;
+        const bool valid_lo = row_lo >= 0 && row_lo < a.rows;
+        const bool valid_hi = row_hi >= 0 && row_hi < a.rows;
+        const int count = __popc(__ballot_sync(0xFFFFFFFFu, valid_lo)) + __popc(__ballot_sync(0xFFFFFFFFu, valid_hi));
+        int place_lo = 0, place_hi = 0;
+        for (int32_t i = 0; i < a.topk; ++i) {
+            const int32_t other = __shfl_sync(0xFFFFFFFFu, i < 32 ? row_lo : row_hi, i % 32);
+            if (other < 0 || other >= a.rows) continue;
+            place_lo += other < row_lo || (other == row_lo && i < lane) ? 1 : 0;
+            place_hi += other < row_hi || (other == row_hi && i < lane + 32) ? 1 : 0;
+        }
+        if (valid_lo) {
+            sorted_rows[warp][place_lo] = row_lo;
+            sorted_weights[warp][place_lo] = a.weights != nullptr ? a.weights[slot0 + lane] : 1.0f;
+        }
+        if (valid_hi) {
+            sorted_rows[warp][place_hi] = row_hi;
+            sorted_weights[warp][place_hi] = a.weights != nullptr ? a.weights[slot0 + lane + 32] : 1.0f;
+        }
+        __syncwarp();
+        for (int32_t c = lane; c < quads; c += 32) {
+            float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+            for (int i = 0; i < count; ++i) {
+                const float wi = sorted_weights[warp][i];
+                const float4 v = sources_sum(a, sorted_rows[warp][i], 4 * c);
+                acc.x += wi * v.x;
+                acc.y += wi * v.y;
+                acc.z += wi * v.z;
+                acc.w += wi * v.w;
+            }
+            store4(a, t, 4 * c, acc);
+        }
+        __syncwarp();  // the next token's places overwrite this one's
+    }
+}
 
-/// Expert-sorted fp32 rows back to token order (MoeCombineArgs). Each warp owns tokens warp, warp + W, ... of the
-/// launch; the block walks the groups in order: with `done` set, it first waits (the block, bounded) until every source
-/// finished the group, then each warp handles its tokens' slots that the group holds (kPerSlot: writes the slot's row;
-/// kWeightedSum: adds weight * row into the token's fp32 accumulator). kWeightedSum ends with the accumulators cast to
-/// `out`. A token's slots sit in distinct rows and only its warp touches its accumulator and rows of `out`: no
-/// atomics, the same sums in the same order in every run.
-template <int kUnused>
-__global__ void __launch_bounds__(kMoeThreads) moe_combine_kernel(const MoeCombineArgs a) {
+/// The combine with waits (MoeCombineArgs::done): the block walks the groups in order, first waits (the block,
+/// bounded) until every source finished the group, then each warp adds its tokens' slots that the group holds into
+/// their fp32 accumulators (kWeightedSum) or writes the slots' rows (kPerSlot); kWeightedSum ends with the
+/// accumulators cast to `out`.
+__device__ __forceinline__ void combine_waiting(const MoeCombineArgs& a) {
     constexpr int kWarps = kMoeThreads / 32;
     const int lane = static_cast<int>(threadIdx.x) % 32;
     const int32_t warp0 = static_cast<int32_t>(blockIdx.x) * kWarps + static_cast<int32_t>(threadIdx.x) / 32;
@@ -147,7 +210,7 @@ __global__ void __launch_bounds__(kMoeThreads) moe_combine_kernel(const MoeCombi
                 const int32_t row = a.slot_rows[slot];
                 if (row >= 0 && row < a.rows) continue;
                 for (int32_t c = lane * 4; c < a.n; c += 128) {
-                    detail::store4(a, static_cast<int64_t>(t) * a.topk + k, c, make_float4(0.f, 0.f, 0.f, 0.f));
+                    store4(a, static_cast<int64_t>(t) * a.topk + k, c, make_float4(0.f, 0.f, 0.f, 0.f));
                 }
             }
         }
@@ -156,15 +219,13 @@ __global__ void __launch_bounds__(kMoeThreads) moe_combine_kernel(const MoeCombi
         const int32_t count = a.counts[g];
         if (count <= 0) continue;
         const int32_t first = a.offsets[g];
-        if (a.done[0] != nullptr) {
-            const uint64_t expected = ptx::ld<ptx::Sem::kRelaxed, ptx::Scope::kSys>(a.epoch);
-            detail::wait_words(
-                device::Block{}, a.ctx, a.num_sources,
-                [&](int s) {
-                    return device::tile::SignalFrom{detail::pick(a.done, s) + g, detail::pick(a.done_owner, s)};
-                },
-                expected);
-        }
+        const uint64_t expected = ptx::ld<ptx::Sem::kRelaxed, ptx::Scope::kSys>(a.epoch);
+        wait_words(
+            device::Block{}, a.ctx, a.num_sources,
+            [&](int s) {
+                return device::tile::SignalFrom{pick(a.done, s) + g, pick(a.done_owner, s)};
+            },
+            expected);
         for (int32_t t = warp0; t < a.tokens; t += num_warps) {
             for (int32_t k = 0; k < a.topk; ++k) {
                 const int64_t slot = static_cast<int64_t>(a.token_begin + t) * a.topk + k;
@@ -174,7 +235,7 @@ __global__ void __launch_bounds__(kMoeThreads) moe_combine_kernel(const MoeCombi
                     const float w = a.weights != nullptr ? a.weights[slot] : 1.0f;
                     float4* acc = reinterpret_cast<float4*>(a.acc + static_cast<int64_t>(t) * a.n);
                     for (int32_t c = lane; c < a.n / 4; c += 32) {
-                        const float4 v = detail::sources_sum(a, row, 4 * c);
+                        const float4 v = sources_sum(a, row, 4 * c);
                         float4 x = acc[c];
                         x.x += w * v.x;
                         x.y += w * v.y;
@@ -184,7 +245,7 @@ __global__ void __launch_bounds__(kMoeThreads) moe_combine_kernel(const MoeCombi
                     }
                 } else {
                     for (int32_t c = lane * 4; c < a.n; c += 128) {
-                        detail::store4(a, static_cast<int64_t>(t) * a.topk + k, c, detail::sources_sum(a, row, c));
+                        store4(a, static_cast<int64_t>(t) * a.topk + k, c, sources_sum(a, row, c));
                     }
                 }
             }
@@ -193,9 +254,21 @@ __global__ void __launch_bounds__(kMoeThreads) moe_combine_kernel(const MoeCombi
     if (sum) {
         for (int32_t t = warp0; t < a.tokens; t += num_warps) {
             const float4* acc = reinterpret_cast<const float4*>(a.acc + static_cast<int64_t>(t) * a.n);
-            for (int32_t c = lane; c < a.n / 4; c += 32) detail::store4(a, t, 4 * c, acc[c]);
+            for (int32_t c = lane; c < a.n / 4; c += 32) store4(a, t, 4 * c, acc[c]);
         }
     }
+}
+
+}  // namespace detail
+
+/// Expert-sorted fp32 rows back to token order (MoeCombineArgs) as the sources finish them: MoeCombineArgs::done set
+/// (combine_waiting: the block walks the groups, waiting for every source's done word of each). Each warp owns tokens
+/// warp, warp + W, ... of the launch; a token's slots sit in distinct rows and only its warp touches its accumulator
+/// and rows of `out`: no atomics, the same sums in the same order in every run. After the launch's reads, each block
+/// adds 1 to every *consumed[s] (when set).
+template <int kUnused>
+__global__ void __launch_bounds__(kMoeThreads) moe_combine_kernel(const MoeCombineArgs a) {
+    detail::combine_waiting(a);
     if (a.consumed[0] != nullptr) {
         __syncthreads();  // every read of the sources' partials of this block is done
         if (threadIdx.x < static_cast<unsigned>(a.num_sources)) {
@@ -203,6 +276,14 @@ __global__ void __launch_bounds__(kMoeThreads) moe_combine_kernel(const MoeCombi
                                                      device::SignalOp::kAdd);
         }
     }
+}
+
+/// The same combine once every source's rows are written (MoeCombineArgs::done and consumed unused): one pass in token
+/// order, each token's sum in registers (combine_ready); the same bits as moe_combine_kernel for moe_route's layout.
+/// A kernel of its own: beside the waiting walk's bounded-wait exit, the register sort spills.
+template <int kUnused>
+__global__ void __launch_bounds__(kMoeThreads) moe_combine_ready_kernel(const MoeCombineArgs a) {
+    detail::combine_ready(a);
 }
 
 /// *words[i] += value (release, system scope), i in [0, n): thread i.

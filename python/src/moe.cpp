@@ -141,34 +141,33 @@ void bind_moe(nb::module_& m) {
         [](const TensorView& a, const TensorView& b, const TensorView& out, int b_layout, const TensorView& counts,
            const TensorView& offsets, const TensorView& gather_index, const TensorView& slot_rows, int64_t tokens,
            int64_t topk, bool weighted_sum, const std::optional<TensorView>& weights, const TensorView& a_rows,
-           const TensorView& d_rows, const std::optional<TensorView>& acc, int device, uintptr_t stream, int sm_budget,
-           int64_t expected_rows_per_group, const std::optional<TensorView>& status) {
+           const TensorView& d_rows, int device, uintptr_t stream, int sm_budget, int64_t expected_rows_per_group,
+           const std::optional<TensorView>& status) {
             const BLayout layout = as_b_layout(b_layout);
             const ops::MoeRouting r = routing_of(counts, offsets, gather_index, slot_rows, tokens, topk);
             const ops::GroupedGemmOptions o = grouped_options(sm_budget, expected_rows_per_group, status);
             DeviceScope scope(device);
             ops::grouped_gemm_gathered_combine(
                 a, b, out, layout, r, weighted_sum ? ops::MoeCombineMode::kWeightedSum : ops::MoeCombineMode::kPerSlot,
-                weights ? *weights : TensorView(), a_rows, d_rows, acc ? *acc : TensorView(), as_stream(stream), o);
+                weights ? *weights : TensorView(), a_rows, d_rows, as_stream(stream), o);
         },
         "a"_a, "b"_a, "out"_a, "b_layout"_a, "counts"_a, "offsets"_a, "gather_index"_a, "slot_rows"_a, "tokens"_a,
-        "topk"_a, "weighted_sum"_a, "weights"_a.none(), "a_rows"_a, "d_rows"_a, "acc"_a.none(), "device"_a, "stream"_a,
+        "topk"_a, "weighted_sum"_a, "weights"_a.none(), "a_rows"_a, "d_rows"_a, "device"_a, "stream"_a,
         "sm_budget"_a = 0, "expected_rows_per_group"_a = 0, "status"_a = nb::none(),
         nb::call_guard<nb::gil_scoped_release>());
     m.def(
         "moe_combine",
         [](const TensorView& d_rows, const TensorView& counts, const TensorView& offsets,
            const TensorView& gather_index, const TensorView& slot_rows, int64_t tokens, int64_t topk, bool weighted_sum,
-           const std::optional<TensorView>& weights, const std::optional<TensorView>& acc, const TensorView& out,
-           int device, uintptr_t stream) {
+           const std::optional<TensorView>& weights, const TensorView& out, int device, uintptr_t stream) {
             const ops::MoeRouting r = routing_of(counts, offsets, gather_index, slot_rows, tokens, topk);
             DeviceScope scope(device);
             ops::moe_combine(d_rows, r,
                              weighted_sum ? ops::MoeCombineMode::kWeightedSum : ops::MoeCombineMode::kPerSlot,
-                             weights ? *weights : TensorView(), acc ? *acc : TensorView(), out, as_stream(stream));
+                             weights ? *weights : TensorView(), out, as_stream(stream));
         },
         "d_rows"_a, "counts"_a, "offsets"_a, "gather_index"_a, "slot_rows"_a, "tokens"_a, "topk"_a, "weighted_sum"_a,
-        "weights"_a.none(), "acc"_a.none(), "out"_a, "device"_a, "stream"_a, nb::call_guard<nb::gil_scoped_release>());
+        "weights"_a.none(), "out"_a, "device"_a, "stream"_a, nb::call_guard<nb::gil_scoped_release>());
     m.def(
         "describe_moe_routing_status",
         [](int32_t code, int32_t slot, int32_t value, int32_t limit) {

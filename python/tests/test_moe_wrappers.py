@@ -256,11 +256,10 @@ def test_the_gathered_ops_check_their_operands_naming_them():
 
 def test_the_combine_sizes_its_output_and_checks_its_weights():
     r = _routing()
-    out, ov, weights, acc, weighted = _moe._combine_args(r, None, None, False, None, 24, _CPU)
+    out, ov, weights, weighted = _moe._combine_args(r, None, None, False, None, 24, _CPU)
     assert out.shape == (4, 24) and out.dtype == torch.bfloat16 and weights is None and weighted
-    assert tuple(acc.shape) == (4, 24)
-    out, _, _, acc, weighted = _moe._combine_args(r, None, None, True, torch.float32, 24, _CPU)
-    assert out.shape == (8, 24) and out.dtype == torch.float32 and acc is None and not weighted
+    out, _, _, weighted = _moe._combine_args(r, None, None, True, torch.float32, 24, _CPU)
+    assert out.shape == (8, 24) and out.dtype == torch.float32 and not weighted
     w = torch.zeros(4, 2)
     assert tuple(_moe._combine_args(r, w, None, False, None, 24, _CPU)[2].shape) == (4, 2)
     with pytest.raises(ValueError, match="topk_weights: per_slot=True writes each slot's row unweighted"):

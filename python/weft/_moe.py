@@ -437,8 +437,7 @@ def _gathered_operands(a, b, routing, b_layout, device=None):
 
 
 def _combine_args(routing, topk_weights, out, per_slot, out_dtype, n, device):
-    """The token-order output and the combine's weights and accumulator: (out, its view, weights view or None, acc
-    view or None, weighted_sum)."""
+    """The token-order output and the combine's weights: (out, its view, weights view or None, weighted_sum)."""
     torch = torch_module()
     out_dtypes = (torch.bfloat16, torch.float32)
     if out_dtype is not None and out_dtype not in out_dtypes:
@@ -460,8 +459,7 @@ def _combine_args(routing, topk_weights, out, per_slot, out_dtype, n, device):
         if tuple(out.shape) != shape:
             raise ValueError(f"out: expected shape {shape}, got {tuple(out.shape)}")
         values_are_bytes(out, "out")
-    acc = None if per_slot else _view(torch.empty((routing.tokens, n), dtype=torch.float32, device=device), "acc")
-    return out, _view(out, "out"), weights, acc, not per_slot
+    return out, _view(out, "out"), weights, not per_slot
 
 
 def grouped_gemm_gathered(a, b, routing, out=None, *, b_layout="nk", out_dtype=None, expected_rows_per_group=0,
@@ -495,19 +493,19 @@ def grouped_gemm_gathered(a, b, routing, out=None, *, b_layout="nk", out_dtype=N
 def grouped_gemm_gathered_combine(a, b, routing, topk_weights=None, out=None, *, per_slot=False, b_layout="nk",
                                   out_dtype=None, expected_rows_per_group=0, sm_budget=0, status=None):
     """The gathered grouped GEMM written back to token order: with per_slot=False (default) out [tokens, N] row t = the
-    sum over t's slots k (by ascending expert, then k) of topk_weights[t, k] (1 when None) times slot (t, k)'s product
+    sum over t's slots k (by ascending row: for moe_route's routing, ascending expert, then k) of topk_weights[t, k] (1 when None) times slot (t, k)'s product
     row, in fp32 and rounded once (zeros for a token with no slot); with per_slot=True out [tokens * topk, N] row
     t * topk + k = slot (t, k)'s row (zeros for a dropped slot). N a multiple of 8; out bf16 or float32; a, b, routing
     as grouped_gemm_gathered's. Deterministic (the same bits on every run). Returns out."""
     torch = torch_module()
     av, bv, n, route = _gathered_operands(a, b, routing, b_layout)
-    out, ov, weights, acc, weighted = _combine_args(routing, topk_weights, out, per_slot, out_dtype, n, a.device)
+    out, ov, weights, weighted = _combine_args(routing, topk_weights, out, per_slot, out_dtype, n, a.device)
     a_rows = torch.empty((routing.rows_capacity, a.shape[1]), dtype=torch.bfloat16, device=a.device)
     d_rows = torch.empty((routing.rows_capacity, n), dtype=torch.float32, device=a.device)
     status_view = _status_view(status, a.device, "grouped_status", "a")
     device = a.device.index
     _weft.grouped_gemm_gathered_combine(av, bv, ov, _B_LAYOUTS[b_layout], *route, weighted, weights,
-                                        _view(a_rows, "a_rows"), _view(d_rows, "d_rows"), acc, device,
+                                        _view(a_rows, "a_rows"), _view(d_rows, "d_rows"), device,
                                         _tensor._raw_stream(device), _number(sm_budget, "sm_budget", int),
                                         _number(expected_rows_per_group, "expected_rows_per_group", int), status_view)
     return written(out)
@@ -523,8 +521,8 @@ def moe_combine(d_rows, routing, topk_weights=None, out=None, *, per_slot=False,
     if d_rows.shape[0] != routing.rows_capacity:
         raise ValueError(f"d_rows: expected routing's {routing.rows_capacity} rows (rows_capacity), got shape "
                          f"{tuple(d_rows.shape)}")
-    out, ov, weights, acc, weighted = _combine_args(routing, topk_weights, out, per_slot, out_dtype, d_rows.shape[1],
-                                                    d_rows.device)
+    out, ov, weights, weighted = _combine_args(routing, topk_weights, out, per_slot, out_dtype, d_rows.shape[1],
+                                               d_rows.device)
     device = d_rows.device.index
-    _weft.moe_combine(_view(d_rows, "d_rows"), *route, weighted, weights, acc, ov, device, _tensor._raw_stream(device))
+    _weft.moe_combine(_view(d_rows, "d_rows"), *route, weighted, weights, ov, device, _tensor._raw_stream(device))
     return written(out)

@@ -28,6 +28,10 @@ void check_dense(const TensorView& v, const char* op, const char* what, DType dt
 void check_routing(const MoeRouting& r, const char* op);
 /// The MoE kernel `name` (moe_kernel_names), compiled and loaded.
 jit::Kernel& moe_kernel(const char* name);
+/// CTAs of a memory kernel (gather, combine) over `items` rows or tokens: a warp each, at most 4 per SM.
+int memory_grid(int64_t items);
+/// The gather kernel: a_rows[r] = a[gather_index[r]] (zeros for -1) for the routing's rows_capacity rows, on `stream`.
+void launch_gather(const TensorView& a, const MoeRouting& r, const TensorView& a_rows, cudaStream_t stream);
 /// The routing kernels over topk_idx [tokens, topk] into `r`'s arrays, on `stream`.
 void launch_route(const int32_t* topk_idx, const MoeRouting& r, int64_t align, cudaStream_t stream,
                   MoeRoutingStatus* status);

@@ -120,6 +120,7 @@ constexpr MoeKernelName kMoeKernels[] = {
     {"routing_place", "moe_tp/moe_routing.cuh", "weft::kernels::moe_tp::moe_routing_place_kernel<0>"},
     {"gather", "moe_tp/moe_gather.cuh", "weft::kernels::moe_tp::moe_gather_kernel<0>"},
     {"combine", "moe_tp/moe_gather.cuh", "weft::kernels::moe_tp::moe_combine_kernel<0>"},
+    {"combine_ready", "moe_tp/moe_gather.cuh", "weft::kernels::moe_tp::moe_combine_ready_kernel<0>"},
     {"notify", "moe_tp/moe_gather.cuh", "weft::kernels::moe_tp::moe_notify_kernel<0>"},
     {"wait", "moe_tp/moe_gather.cuh", "weft::kernels::moe_tp::moe_wait_kernel<0>"},
     {"push", "moe_tp/moe_gather.cuh", "weft::kernels::moe_tp::moe_push_rows_kernel<0>"},
@@ -291,24 +292,19 @@ void gathered(const TensorView& a, const TensorView& b, const TensorView& d, BLa
                                                    options);
 }
 
-// The operands of a combine of `n` columns (d_rows, out, acc, weights) against the routing: moe_combine's checks,
+// The operands of a combine of `n` columns (d_rows, out, weights) against the routing: moe_combine's checks,
 // which grouped_gemm_gathered_combine makes before it launches its GEMM.
 void check_combine_operands(const char* op, const MoeRouting& routing, MoeCombineMode mode, int64_t n,
-                            const TensorView& d_rows, const TensorView& weights, const TensorView& acc,
-                            const TensorView& out) {
+                            const TensorView& d_rows, const TensorView& weights, const TensorView& out) {
     check_matrix(d_rows, op, "d_rows", DType::kF32, routing.rows_capacity, n);
     const bool sum = mode == MoeCombineMode::kWeightedSum;
     WEFT_CHECK(out.dtype == DType::kBF16 || out.dtype == DType::kF32,
                op << ": out must be bf16 or f32, got " << dtype_name(out.dtype));
     check_matrix(out, op, "out", out.dtype, sum ? routing.tokens : routing.tokens * routing.topk, n);
-    if (sum) {
-        check_matrix(acc, op, "acc", DType::kF32, routing.tokens, n);
-        WEFT_CHECK(acc.dim(0) <= 1 || acc.stride(0) == n, op << ": acc must be densely packed [T, N]");
-    }
     if (weights.numel() > 0 || weights.data != nullptr) {
         check_dense(weights, op, "weights", DType::kF32, routing.tokens, routing.topk);
     }
-    // The combine writes out (and acc) while other warps read d_rows, the weights and the routing's arrays.
+    // The combine writes out while other warps read d_rows, the weights and the routing's arrays.
     const std::initializer_list<ops::detail::NamedView> read = {{"d_rows", d_rows},
                                                                 {"weights", weights},
                                                                 {"routing.slot_rows", slot_rows_view(routing)},
@@ -316,18 +312,11 @@ void check_combine_operands(const char* op, const MoeRouting& routing, MoeCombin
                                                                 {"routing.offsets", offsets_view(routing)}};
     const char* why = "the combine writes it while other warps read them";
     ops::detail::check_apart(op, "out", out, read, why);
-    if (sum) ops::detail::check_apart(op, "acc", acc, read, why);
-    // A warp casts its token's sum into out while others still add into acc: apart, unless out is acc itself (f32,
-    // the same rows: each warp then writes only the row it summed).
-    const bool out_is_acc = out.dtype == DType::kF32 && out.data == acc.data && (out.dim(0) <= 1 || out.stride(0) == n);
-    if (sum && !out_is_acc) {
-        ops::detail::check_apart(op, "out", out, {{"acc", acc}}, "a warp writes out while other warps add into acc");
-    }
 }
 
 // moe_combine; `check_memory`: also that every buffer is this GPU's memory.
 void combine(const TensorView& d_rows, const MoeRouting& routing, MoeCombineMode mode, const TensorView& weights,
-             const TensorView& acc, const TensorView& out, cudaStream_t stream, bool check_memory) {
+             const TensorView& out, cudaStream_t stream, bool check_memory) {
     WEFT_NVTX_RANGE("moe_combine");
     constexpr const char* kOp = "moe_combine";
     WEFT_CHECK(mode == MoeCombineMode::kPerSlot || mode == MoeCombineMode::kWeightedSum,
@@ -337,11 +326,10 @@ void combine(const TensorView& d_rows, const MoeRouting& routing, MoeCombineMode
     WEFT_CHECK(
         n >= 0 && n % 8 == 0 && n <= kGemmMaxExtent,
         kOp << ": d_rows must be [rows, N] with N a multiple of 8 (at most 2^31 - 2^24), got " << d_rows.describe());
-    check_combine_operands(kOp, routing, mode, n, d_rows, weights, acc, out);
+    check_combine_operands(kOp, routing, mode, n, d_rows, weights, out);
     if (routing.tokens == 0 || n == 0) return;
     if (check_memory) {
-        ops::detail::check_device_views({{"d_rows", d_rows}, {"weights", weights}, {"acc", acc}, {"out", out}}, kOp,
-                                        stream);
+        ops::detail::check_device_views({{"d_rows", d_rows}, {"weights", weights}, {"out", out}}, kOp, stream);
         check_routing_on_device(routing, kOp, stream);
     }
     weft::moe::MoeCombineArgs c{};
@@ -350,7 +338,6 @@ void combine(const TensorView& d_rows, const MoeRouting& routing, MoeCombineMode
     c.counts = routing.counts;
     c.offsets = routing.offsets;
     c.weights = static_cast<const float*>(weights.data);
-    c.acc = static_cast<float*>(acc.data);
     c.out = out.data;
     c.ldp = d_rows.stride(0);
     c.ldo = out.stride(0);
@@ -363,7 +350,7 @@ void combine(const TensorView& d_rows, const MoeRouting& routing, MoeCombineMode
     c.rows = static_cast<int32_t>(routing.rows_capacity);
     c.mode = mode;
     c.out_f32 = out.dtype == DType::kF32 ? 1 : 0;
-    moe_kernel("combine").launch(launch_params(memory_grid(routing.tokens), kMoeThreads, stream), c);
+    moe_kernel("combine_ready").launch(launch_params(memory_grid(routing.tokens), kMoeThreads, stream), c);
 }
 
 }  // namespace
@@ -375,14 +362,14 @@ void grouped_gemm_gathered(const TensorView& a, const TensorView& b, const Tenso
 }
 
 void moe_combine(const TensorView& d_rows, const MoeRouting& routing, MoeCombineMode mode, const TensorView& weights,
-                 const TensorView& acc, const TensorView& out, cudaStream_t stream) {
-    combine(d_rows, routing, mode, weights, acc, out, stream, true);
+                 const TensorView& out, cudaStream_t stream) {
+    combine(d_rows, routing, mode, weights, out, stream, true);
 }
 
 void grouped_gemm_gathered_combine(const TensorView& a, const TensorView& b, const TensorView& out, BLayout b_layout,
                                    const MoeRouting& routing, MoeCombineMode mode, const TensorView& weights,
-                                   const TensorView& a_rows, const TensorView& d_rows, const TensorView& acc,
-                                   cudaStream_t stream, const GroupedGemmOptions& options) {
+                                   const TensorView& a_rows, const TensorView& d_rows, cudaStream_t stream,
+                                   const GroupedGemmOptions& options) {
     WEFT_NVTX_RANGE("grouped_gemm_gathered_combine");
     constexpr const char* kOp = "grouped_gemm_gathered_combine";
     WEFT_CHECK(mode == MoeCombineMode::kPerSlot || mode == MoeCombineMode::kWeightedSum,
@@ -390,7 +377,7 @@ void grouped_gemm_gathered_combine(const TensorView& a, const TensorView& b, con
     check_routing(routing, kOp);
     const int64_t n = b.ndim == 3 ? (b_layout == BLayout::kNK ? b.dim(1) : b.dim(2)) : -1;
     WEFT_CHECK(n >= 0 && n % 8 == 0, kOp << ": N (b's output columns) must be a multiple of 8, got " << b.describe());
-    check_combine_operands(kOp, routing, mode, n, d_rows, weights, acc, out);
+    check_combine_operands(kOp, routing, mode, n, d_rows, weights, out);
     ops::detail::check_apart(kOp, "d_rows", d_rows,
                              {{"weights", weights}, {"routing.slot_rows", slot_rows_view(routing)}},
                              "the combine reads them after the GEMM writes d_rows");
@@ -399,12 +386,11 @@ void grouped_gemm_gathered_combine(const TensorView& a, const TensorView& b, con
                              "the combine reads them after the gather writes a_rows");
     // Every buffer once, before anything is enqueued.
     ops::detail::check_device_views(
-        {{"a", a}, {"a_rows", a_rows}, {"b", b}, {"d_rows", d_rows}, {"weights", weights}, {"acc", acc}, {"out", out}},
-        kOp, stream);
+        {{"a", a}, {"a_rows", a_rows}, {"b", b}, {"d_rows", d_rows}, {"weights", weights}, {"out", out}}, kOp, stream);
     ops::detail::check_grouped_option_words(options, kOp, stream);
     check_routing_on_device(routing, kOp, stream);
     gathered(a, b, d_rows, b_layout, routing, a_rows, stream, options, false);
-    combine(d_rows, routing, mode, weights, acc, out, stream, false);
+    combine(d_rows, routing, mode, weights, out, stream, false);
 }
 
 namespace detail {

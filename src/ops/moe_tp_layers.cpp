@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstring>
 #include <sstream>
+#include <string>
 #include <utility>
 
 #include "collective_workspace.hpp"
@@ -86,9 +87,13 @@ namespace {
 // then run on the caller's stream, in order with the GEMM, with no event wait between streams (with them,
 // MoeTpLayers.World8 timed out twice after other suites in the same process: kernels/moe_tp/README.md, "Pitfalls").
 // The kernels and their signals are the same either way; only the overlap with this rank's own GEMM is lost.
+//
+// A team of one rank has nothing to overlap: its layers run the gather (layer 0) or the combine (layer 1) in order with
+// a grouped GEMM on the whole SM budget, each kernel on every SM it may use, with no waits and no side stream.
 struct MoeLayerBase : tp_detail::FusedOpState {
     MoeTpShape shape;
     MoeTpOptions options;
+    bool alone = false;  // a team of one rank: the serial schedule above, on the whole budget
     int comm_blocks = 1;
     int gemm_budget = 1;
     int64_t rows_capacity = 0;
@@ -128,9 +133,10 @@ struct MoeLayerBase : tp_detail::FusedOpState {
             "pass the same options.comm_blocks on every member)",
             "shape.max_tokens", "shape.hidden", "shape.num_experts", "shape.topk"};
         detail::check_member_fields(team, all, mine, kFields, op);
-        gemm_budget = budget - comm_blocks;  // >= 1: checked above, before the members compared
+        alone = num_ranks == 1;
+        gemm_budget = alone ? budget : budget - comm_blocks;  // >= 1: checked above, before the members compared
         rows_capacity = moe_gathered_rows(s.max_tokens, s.topk, s.num_experts, 1);
-        if (!tp_detail::streams_may_share_queues(*world)) {
+        if (!alone && !tp_detail::streams_may_share_queues(*world)) {
             side = streams.add_stream();
             fork = streams.add_event();
             join = streams.add_event();
@@ -262,16 +268,23 @@ MoeAgGroupedGemm::MoeAgGroupedGemm(const Team& team, const MoeTpShape& shape, co
     p.rows = s.rows_capacity;
     p.n = shape.ffn;
     p.k = shape.hidden;
-    // The GEMM's producer waits for each tile's rows (GatheredWaitScheduler): a waiting grouped kernel's config.
+    // The GEMM's producer waits for each tile's rows (GatheredWaitScheduler): a waiting grouped kernel's config. Alone,
+    // the rows are gathered before a plain grouped GEMM.
     GroupedGemmOptions go = s.gemm_options(shape.max_tokens);
-    go.wait = GroupedWaitParams{};  // planned as a waiting call
+    if (!s.alone) go.wait = GroupedWaitParams{};  // planned as a waiting call
     s.config = plan_grouped_gemm(p, num_sms(), go).config;
-    // Every kernel a call launches is loaded now (lazy loading behind a waiting kernel can deadlock).
-    s.gemm = &ops::detail::gemm_jit_kernel(detail::moe_ag_gemm_kernel_spec(s.config));
-    for (const char* k : {"routing_count", "routing_place", "push", "notify"}) (void)moe_kernel(k);
-    (void)ops::detail::gemm_jit_kernel(gemm_advance_epoch_spec());
-    WEFT_LOG_INFO(s.op << ": " << tp_detail::config_text(s.config) << ", " << s.comm_blocks << " push CTAs, SM budget "
-                       << s.budget << ", team of " << s.num_ranks);
+    for (const char* k : {"routing_count", "routing_place"}) (void)moe_kernel(k);
+    if (s.alone) {
+        (void)moe_kernel("gather");
+    } else {
+        // Every kernel a call launches is loaded now (lazy loading behind a waiting kernel can deadlock).
+        s.gemm = &ops::detail::gemm_jit_kernel(detail::moe_ag_gemm_kernel_spec(s.config));
+        for (const char* k : {"push", "notify"}) (void)moe_kernel(k);
+        (void)ops::detail::gemm_jit_kernel(gemm_advance_epoch_spec());
+    }
+    WEFT_LOG_INFO(s.op << ": " << tp_detail::config_text(s.config) << ", "
+                       << (s.alone ? std::string("gather then GEMM") : std::to_string(s.comm_blocks) + " push CTAs")
+                       << ", SM budget " << s.budget << ", team of " << s.num_ranks);
     team.barrier();
 }
 
@@ -315,6 +328,14 @@ void MoeAgGroupedGemm::run(const TensorView& x_local, const TensorView& topk_idx
     const ops::detail::GroupedGemmLaunch gl =
         s.prepare_gemm(p, a_rows, w, y, s.routing.offsets, s.routing.counts, go_forced);
     s.routing.tokens = m;  // once nothing more refuses the call: routing() names the last call that ran
+    if (s.alone) {
+        launch_route(static_cast<const int32_t*>(topk_idx.data), s.routing, 1, stream, s.status_dev);
+        moe_detail::launch_gather(x_local, s.routing, a_rows, stream);
+        ops::detail::grouped_gemm_contiguous_on_device(a_rows, w, y, BLayout::kNK, s.routing.offsets, s.routing.counts,
+                                                       stream, go_forced);
+        s.after_call(stream);
+        return;
+    }
     weft::moe::GatheredWaitParams wait{};
     wait.groups = gl.groups;
     wait.gather_index = s.routing.gather_index;
@@ -422,11 +443,16 @@ MoeGroupedGemmRs::MoeGroupedGemmRs(const Team& team, const MoeTpShape& shape, co
     p.out_dtype = DType::kF32;
     s.config = plan_grouped_gemm(p, num_sms(), s.gemm_options(shape.max_tokens)).config;
     WEFT_CHECK(s.config.out_dtype == DType::kF32, s.op << ": options.config must write f32 (the partial products)");
-    s.gemm = &ops::detail::gemm_jit_kernel(detail::moe_gemm_rs_kernel_spec(s.config));
-    for (const char* k : {"combine", "wait"}) (void)moe_kernel(k);
-    (void)ops::detail::gemm_jit_kernel(gemm_advance_epoch_spec());
-    WEFT_LOG_INFO(s.op << ": " << tp_detail::config_text(s.config) << ", " << s.comm_blocks
-                       << " combine CTAs, SM budget " << s.budget << ", team of " << s.num_ranks);
+    if (s.alone) {
+        (void)moe_kernel("combine_ready");
+    } else {
+        s.gemm = &ops::detail::gemm_jit_kernel(detail::moe_gemm_rs_kernel_spec(s.config));
+        for (const char* k : {"combine", "wait"}) (void)moe_kernel(k);
+        (void)ops::detail::gemm_jit_kernel(gemm_advance_epoch_spec());
+    }
+    WEFT_LOG_INFO(s.op << ": " << tp_detail::config_text(s.config) << ", "
+                       << (s.alone ? std::string("GEMM then combine") : std::to_string(s.comm_blocks) + " combine CTAs")
+                       << ", SM budget " << s.budget << ", team of " << s.num_ranks);
     team.barrier();
 }
 
@@ -533,6 +559,14 @@ void MoeGroupedGemmRs::run(const TensorView& h, const TensorView& w, const MoeRo
     c.rows = static_cast<int32_t>(routing.rows_capacity);
     c.mode = MoeCombineMode::kWeightedSum;
     c.out_f32 = out.dtype == DType::kF32 ? 1 : 0;
+
+    if (s.alone) {  // no peer reads the partial products, and the combine waits for nothing: the GEMM is before it
+        ops::detail::grouped_gemm_contiguous_on_device(h, w, d_rows, BLayout::kNK, routing.offsets, routing.counts,
+                                                       stream, go);
+        moe_kernel("combine_ready").launch(launch_params(moe_detail::memory_grid(tpr), kMoeThreads, stream), c);
+        s.after_call(stream);
+        return;
+    }
 
     // Launches only from here.
     gemm_advance_epoch(s.epoch, stream);

@@ -222,8 +222,7 @@ void run_gathered(const GatheredCase& c, uint64_t seed) {
     DevBuf idx_d(idx.size() * 4), counts_d(static_cast<size_t>(c.experts) * 4),
         offsets_d(static_cast<size_t>(c.experts + 1) * 4), gather_d(static_cast<size_t>(rows) * 4),
         slots_d(idx.size() * 4), a_d(a.size() * 2), b_d(b.size() * 2), a_rows_d(static_cast<size_t>(rows * c.k) * 2),
-        d_d(static_cast<size_t>(rows * c.n * ob)), d32_d(static_cast<size_t>(rows * c.n) * 4),
-        acc_d(static_cast<size_t>(c.tokens * c.n) * 4), w_d(weights.size() * 4),
+        d_d(static_cast<size_t>(rows * c.n * ob)), d32_d(static_cast<size_t>(rows * c.n) * 4), w_d(weights.size() * 4),
         slot_out_d(static_cast<size_t>(c.tokens * c.topk * c.n * ob)),
         sum_out_d(static_cast<size_t>(c.tokens * c.n * ob));
     ops::MoeRoutingStatus* status = nullptr;
@@ -252,13 +251,11 @@ void run_gathered(const GatheredCase& c, uint64_t seed) {
     const TensorView a_rows(a_rows_d.ptr, DType::kBF16, {rows, c.k});
     ops::grouped_gemm_gathered(av, bv, TensorView(d_d.ptr, c.out, {rows, c.n}), BLayout::kNK, r, a_rows, st);
     const TensorView d32(d32_d.ptr, DType::kF32, {rows, c.n});
-    const TensorView acc(acc_d.ptr, DType::kF32, {c.tokens, c.n});
     const TensorView wv(w_d.ptr, DType::kF32, {c.tokens, c.topk});
     ops::grouped_gemm_gathered_combine(av, bv, TensorView(slot_out_d.ptr, c.out, {c.tokens * c.topk, c.n}),
-                                       BLayout::kNK, r, ops::MoeCombineMode::kPerSlot, TensorView(), a_rows, d32, acc,
-                                       st);
+                                       BLayout::kNK, r, ops::MoeCombineMode::kPerSlot, TensorView(), a_rows, d32, st);
     ops::grouped_gemm_gathered_combine(av, bv, TensorView(sum_out_d.ptr, c.out, {c.tokens, c.n}), BLayout::kNK, r,
-                                       ops::MoeCombineMode::kWeightedSum, wv, a_rows, d32, acc, st);
+                                       ops::MoeCombineMode::kWeightedSum, wv, a_rows, d32, st);
     WEFT_CUDA_CHECK(cudaStreamSynchronize(st));
 
     // Routing: exact.
@@ -316,7 +313,7 @@ void run_gathered(const GatheredCase& c, uint64_t seed) {
     }
     // The weighted sum again: the same bits.
     ops::grouped_gemm_gathered_combine(av, bv, TensorView(sum_out_d.ptr, c.out, {c.tokens, c.n}), BLayout::kNK, r,
-                                       ops::MoeCombineMode::kWeightedSum, wv, a_rows, d32, acc, st);
+                                       ops::MoeCombineMode::kWeightedSum, wv, a_rows, d32, st);
     EXPECT_EQ(from_device<uint8_t>(sum_out_d.ptr, sum_out_d.bytes, st), summed) << "weighted sum not deterministic";
     WEFT_CUDA_CHECK(cudaFree(status));
     WEFT_CUDA_CHECK(cudaStreamDestroy(st));
@@ -361,7 +358,7 @@ TEST(MoeCombine, AHandBuiltRoutingPastTheCapacityReadsNoRowOutsideDRows) {
         const std::vector<int32_t>& counts = cases[i].second;
         const std::vector<int32_t>& slots = i == 0 ? slot_rows : slot_rows2;
         DevBuf d_dev(d_host.size() * 4), idx_dev(64 * 4), out_dev(tokens * n * 4), sum_dev(tokens * n * 4),
-            acc_dev(tokens * n * 4), w_dev(tokens * 4);
+            w_dev(tokens * 4);
         to_device(d_dev.ptr, d_host, st);
         int32_t* ix = static_cast<int32_t*>(idx_dev.ptr);
         to_device(ix, counts, st);
@@ -381,10 +378,9 @@ TEST(MoeCombine, AHandBuiltRoutingPastTheCapacityReadsNoRowOutsideDRows) {
         const TensorView d(static_cast<float*>(d_dev.ptr) + n, DType::kF32, {rows, n});
         WEFT_CUDA_CHECK(cudaMemsetAsync(out_dev.ptr, kPoisonByte, out_dev.bytes, st));
         WEFT_CUDA_CHECK(cudaMemsetAsync(sum_dev.ptr, kPoisonByte, sum_dev.bytes, st));
-        ops::moe_combine(d, r, ops::MoeCombineMode::kPerSlot, TensorView(), TensorView(),
+        ops::moe_combine(d, r, ops::MoeCombineMode::kPerSlot, TensorView(),
                          TensorView(out_dev.ptr, DType::kF32, {tokens, n}), st);
         ops::moe_combine(d, r, ops::MoeCombineMode::kWeightedSum, TensorView(w_dev.ptr, DType::kF32, {tokens, 1}),
-                         TensorView(acc_dev.ptr, DType::kF32, {tokens, n}),
                          TensorView(sum_dev.ptr, DType::kF32, {tokens, n}), st);
         const auto per_slot = from_device<float>(out_dev.ptr, static_cast<size_t>(tokens * n), st);
         const auto summed = from_device<float>(sum_dev.ptr, static_cast<size_t>(tokens * n), st);

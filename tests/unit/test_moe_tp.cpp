@@ -131,7 +131,7 @@ TEST(MoeTpNvrtc, MemoryKernelsCompileCleanly) {
         EXPECT_NE(std::string(kSource).find(spec.header), std::string::npos) << spec.header;
         names.push_back(spec.instantiation);
     }
-    ASSERT_EQ(names.size(), 7u);
+    ASSERT_EQ(names.size(), 8u);
     std::string why_not;
     const auto sass = compile_sass(names, "moe tp memory kernels", &why_not);
     if (sass.empty()) GTEST_SKIP() << "SKIPPED: SASS not checked (" << why_not << "); ptxas reports were";
@@ -270,43 +270,36 @@ TEST(MoeTpArgs, CombineNamesTheBadArgument) {
     const auto b = view(DType::kBF16, {8, 512, 256});
     const auto a_rows = view(DType::kBF16, {200, 256}, 1);
     const auto d_rows = view(DType::kF32, {200, 512});
-    const auto acc = view(DType::kF32, {100, 512});
     const auto w = view(DType::kF32, {100, 2});
-    auto combine = [&](const TensorView& out, ops::MoeCombineMode mode, const TensorView& weights, const TensorView& dr,
-                       const TensorView& ac) {
+    auto combine = [&](const TensorView& out, ops::MoeCombineMode mode, const TensorView& weights,
+                       const TensorView& dr) {
         return error_of([&] {
-            ops::grouped_gemm_gathered_combine(a, b, out, BLayout::kNK, r, mode, weights, a_rows, dr, ac, nullptr);
+            ops::grouped_gemm_gathered_combine(a, b, out, BLayout::kNK, r, mode, weights, a_rows, dr, nullptr);
         });
     };
     using ops::MoeCombineMode;
-    EXPECT_NE(combine(view(DType::kBF16, {200, 512}), MoeCombineMode::kWeightedSum, w, d_rows, acc)
-                  .find("out must have 100 rows"),
-              std::string::npos);
-    EXPECT_NE(combine(view(DType::kBF16, {100, 512}), MoeCombineMode::kPerSlot, w, d_rows, acc)
-                  .find("out must have 200 rows"),
-              std::string::npos);
     EXPECT_NE(
-        combine(view(DType::kBF16, {100, 512}), MoeCombineMode::kWeightedSum, view(DType::kF32, {100, 3}), d_rows, acc)
-            .find("weights must have 2 columns"),
+        combine(view(DType::kBF16, {200, 512}), MoeCombineMode::kWeightedSum, w, d_rows).find("out must have 100 rows"),
         std::string::npos);
     EXPECT_NE(
-        combine(view(DType::kBF16, {100, 512}), MoeCombineMode::kWeightedSum, w, view(DType::kBF16, {200, 512}), acc)
-            .find("d_rows must be f32"),
+        combine(view(DType::kBF16, {100, 512}), MoeCombineMode::kPerSlot, w, d_rows).find("out must have 200 rows"),
         std::string::npos);
-    EXPECT_NE(
-        combine(view(DType::kBF16, {100, 512}), MoeCombineMode::kWeightedSum, w, d_rows, view(DType::kF32, {99, 512}))
-            .find("acc must have 100 rows"),
-        std::string::npos);
-    EXPECT_NE(combine(view(DType::kF16, {100, 512}), MoeCombineMode::kWeightedSum, w, d_rows, acc)
-                  .find("out must be bf16 or f32"),
+    EXPECT_NE(combine(view(DType::kBF16, {100, 512}), MoeCombineMode::kWeightedSum, view(DType::kF32, {100, 3}), d_rows)
+                  .find("weights must have 2 columns"),
               std::string::npos);
-    EXPECT_NE(combine(view(DType::kBF16, {100, 512}), static_cast<MoeCombineMode>(7), w, d_rows, acc).find("mode"),
+    EXPECT_NE(combine(view(DType::kBF16, {100, 512}), MoeCombineMode::kWeightedSum, w, view(DType::kBF16, {200, 512}))
+                  .find("d_rows must be f32"),
+              std::string::npos);
+    EXPECT_NE(
+        combine(view(DType::kF16, {100, 512}), MoeCombineMode::kWeightedSum, w, d_rows).find("out must be bf16 or f32"),
+        std::string::npos);
+    EXPECT_NE(combine(view(DType::kBF16, {100, 512}), static_cast<MoeCombineMode>(7), w, d_rows).find("mode"),
               std::string::npos);
     // Rows that repeat (stride 0) or overlap (a stride below the row) would land tokens on each other.
     for (const int64_t stride : {int64_t{0}, int64_t{504}}) {
         const auto out = view(DType::kBF16, {100, 512});
         EXPECT_NE(combine(TensorView(out.data, DType::kBF16, {100, 512}, {stride, 1}), MoeCombineMode::kWeightedSum, w,
-                          d_rows, acc)
+                          d_rows)
                       .find("out's row stride must be at least its 512 columns"),
                   std::string::npos)
             << stride;
@@ -314,14 +307,14 @@ TEST(MoeTpArgs, CombineNamesTheBadArgument) {
     // The combine kernel steps its columns in int32: N keeps the GEMM's margin below 2^31.
     const int64_t wide = (int64_t{1} << 31) - 8;
     EXPECT_NE(error_of([&] {
-                  ops::moe_combine(view(DType::kF32, {200, wide}), r, MoeCombineMode::kPerSlot, TensorView(), acc,
+                  ops::moe_combine(view(DType::kF32, {200, wide}), r, MoeCombineMode::kPerSlot, TensorView(),
                                    view(DType::kBF16, {200, wide}), nullptr);
               }).find("N a multiple of 8 (at most 2^31 - 2^24)"),
               std::string::npos);
 }
 
 // The gather writes a_rows while reading gather_index; the GEMM writes d while reading a_rows, b and the group arrays;
-// the combine writes out (and acc) while reading d_rows, the weights and the routing's arrays: any of these pairs
+// the combine writes out while reading d_rows, the weights and the routing's arrays: any of these pairs
 // overlapping is refused before the device, naming both.
 TEST(MoeTpArgs, OutputsOverlappingTheirInputsAreRefused) {
     const MoeRouting r = fake_routing(100, 2, 8);  // counts, offsets, gather_index, slot_rows at 4, 8, 16, 32 MiB
@@ -351,32 +344,29 @@ TEST(MoeTpArgs, OutputsOverlappingTheirInputsAreRefused) {
 
     using ops::MoeCombineMode;
     const auto d_rows = view(DType::kF32, {200, 512}, 4);
-    const auto acc = view(DType::kF32, {100, 512}, 5);
     const auto w = view(DType::kF32, {100, 2}, 6);
     const auto out = view(DType::kBF16, {100, 512}, 7);
-    const auto combine = [&](const TensorView& o, const TensorView& weights, const TensorView& dr,
-                             const TensorView& ac) {
+    const auto combine = [&](const TensorView& o, const TensorView& weights, const TensorView& dr) {
         return error_of([&] {
             ops::grouped_gemm_gathered_combine(a, b, o, BLayout::kNK, r, MoeCombineMode::kWeightedSum, weights, a_rows,
-                                               dr, ac, nullptr);
+                                               dr, nullptr);
         });
     };
-    mentions(combine(view(DType::kBF16, {100, 512}, 4), w, d_rows, acc),
+    mentions(combine(view(DType::kBF16, {100, 512}, 4), w, d_rows),
              "grouped_gemm_gathered_combine: out must not overlap d_rows (");
-    mentions(combine(out, ends_in(static_cast<const int32_t*>(out.data), DType::kF32, 100, 2), d_rows, acc),
+    mentions(combine(out, ends_in(static_cast<const int32_t*>(out.data), DType::kF32, 100, 2), d_rows),
              "out must not overlap weights (");
-    mentions(combine(ends_in(r.slot_rows, DType::kBF16, 100, 512), w, d_rows, acc),
+    mentions(combine(ends_in(r.slot_rows, DType::kBF16, 100, 512), w, d_rows),
              "out must not overlap routing.slot_rows (");
-    mentions(combine(out, w, d_rows, view(DType::kF32, {100, 512}, 4)), "acc must not overlap d_rows (");
-    mentions(combine(out, w, ends_in(r.slot_rows, DType::kF32, 200, 512), acc),
+    mentions(combine(out, w, ends_in(r.slot_rows, DType::kF32, 200, 512)),
              "d_rows must not overlap routing.slot_rows (");
-    mentions(combine(out, w, ends_in(static_cast<const int32_t*>(w.data), DType::kF32, 200, 512), acc),
+    mentions(combine(out, w, ends_in(static_cast<const int32_t*>(w.data), DType::kF32, 200, 512)),
              "d_rows must not overlap weights (");
     // The gather writes a_rows before the combine reads the weights and slot_rows.
     const auto combine_rows = [&](const TensorView& weights, const TensorView& ar) {
         return error_of([&] {
             ops::grouped_gemm_gathered_combine(a, b, out, BLayout::kNK, r, MoeCombineMode::kWeightedSum, weights, ar,
-                                               d_rows, acc, nullptr);
+                                               d_rows, nullptr);
         });
     };
     mentions(combine_rows(w, ends_in(r.slot_rows, DType::kBF16, 200, 256)),
@@ -390,14 +380,12 @@ TEST(MoeTpArgs, OutputsOverlappingTheirInputsAreRefused) {
         mentions(error_of([&] { ops::grouped_gemm_gathered(a, b, d, BLayout::kNK, odd, a_rows, nullptr); }),
                  "routing.offsets (int32) must be 4-byte aligned");
     }
-    // out inside acc (a bf16 out cast into acc's bytes while other warps add): refused; f32 out as acc itself passes
-    // every argument check (each warp writes back only the row it summed): on a machine without a GPU the call then
-    // fails at its first CUDA call (with a GPU it would launch on these fake pointers: not tried).
-    mentions(combine(view(DType::kBF16, {100, 512}, 5), w, d_rows, acc), "out must not overlap acc (");
+    // Arguments that pass every check: on a machine without a GPU the call then fails at its first CUDA call (with a
+    // GPU it would launch on these fake pointers: not tried).
     int devices = 0;
     if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
         (void)cudaGetLastError();
-        mentions(combine(view(DType::kF32, {100, 512}, 5), w, d_rows, acc), "CUDA call failed");
+        mentions(combine(view(DType::kF32, {100, 512}, 5), w, d_rows), "CUDA call failed");
     }
     // moe_route: its arrays apart from topk_idx and each other.
     {
@@ -412,10 +400,10 @@ TEST(MoeTpArgs, OutputsOverlappingTheirInputsAreRefused) {
                  }),
                  "moe_route: routing.offsets must not overlap routing.counts (");
     }
-    // moe_combine alone: the same checks of out and acc.
+    // moe_combine alone: the same checks of out.
     mentions(error_of([&] {
-                 ops::moe_combine(d_rows, r, MoeCombineMode::kPerSlot, TensorView(), TensorView(),
-                                  view(DType::kF32, {200, 512}, 4), nullptr);
+                 ops::moe_combine(d_rows, r, MoeCombineMode::kPerSlot, TensorView(), view(DType::kF32, {200, 512}, 4),
+                                  nullptr);
              }),
              "moe_combine: out must not overlap d_rows (");
 }

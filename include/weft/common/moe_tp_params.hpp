@@ -15,6 +15,7 @@ namespace weft::moe {
 inline constexpr int kMoeMaxRanks = 8;
 /// Threads per CTA of the routing, gather, scatter and reduce kernels.
 inline constexpr int kMoeThreads = 256;
+inline constexpr int kMoeMaxTopk = 64;  ///< topk of a routing (moe_route) and of a TP MoE layer
 
 /// A TP MoE layer-0 call's signature: the host's call descriptor (CollectiveOp::kMoeAgGemm, M, topk, hidden) with the
 /// routing's per-expert counts folded into its digest (`routing` = the sum over experts e of
@@ -76,7 +77,8 @@ struct MoeCombineArgs {
     const int32_t* counts;                ///< [E]
     const int32_t* offsets;               ///< [E]
     const float* weights;                 ///< [total tokens, topk] (kWeightedSum), or nullptr: weight 1
-    float* acc;                           ///< kWeightedSum: fp32 scratch [tokens, N] (row stride N)
+    float* acc;                           ///< kWeightedSum with done: fp32 scratch [tokens, N] (row stride N); unused
+                                          ///< without done (each token is summed in registers)
     void* out;                            ///< bf16 or f32 (out_f32), row stride ldo elements
     const uint64_t* epoch;                ///< with done: the call counter (the wait is for >= *epoch)
     DeviceCtx ctx;                        ///< bound and diagnostics of the waits

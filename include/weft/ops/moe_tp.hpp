@@ -89,22 +89,22 @@ void grouped_gemm_gathered(const TensorView& a, const TensorView& b, const Tenso
 /// Gathered grouped GEMM written back to token order: d_rows [rows_capacity, N] f32 (workspace) = the expert-ordered
 /// product as above, then
 ///   kPerSlot:     out [T * topk, N]: row t*topk+k = d_rows[slot_rows[t*topk+k]] (zeros for a dropped slot)
-///   kWeightedSum: out [T, N]: row t = sum over k (by ascending expert, then k) of weights[t, k] *
-///   d_rows[slot_rows[t*topk+k]], in fp32
-///                 (acc [T, N] f32 workspace), cast once; a token with no slot gets zeros
-/// weights: [T, topk] f32 or an empty view (weight 1). out bf16 or f32, N a multiple of 8. out and acc must overlap
-/// none of d_rows, weights and the routing's slot_rows, counts and offsets; d_rows neither weights nor slot_rows.
-/// Deterministic: the same bits on every run.
+///   kWeightedSum: out [T, N]: row t = sum over k (by ascending row: for a routing moe_route made, ascending
+///                 expert, then k) of weights[t, k] * d_rows[slot_rows[t*topk+k]], in fp32 registers, cast once; a
+///                 token with no slot gets zeros
+/// A slot row outside [0, rows_capacity) is a dropped slot. weights: [T, topk] f32 or an empty view (weight 1). out
+/// bf16 or f32, N a multiple of 8. out must overlap none of d_rows, weights and the routing's slot_rows, counts and
+/// offsets; d_rows neither weights nor slot_rows. Deterministic: the same bits on every run.
 void grouped_gemm_gathered_combine(const TensorView& a, const TensorView& b, const TensorView& out, BLayout b_layout,
                                    const MoeRouting& routing, MoeCombineMode mode, const TensorView& weights,
-                                   const TensorView& a_rows, const TensorView& d_rows, const TensorView& acc,
-                                   cudaStream_t stream, const GroupedGemmOptions& options = {});
+                                   const TensorView& a_rows, const TensorView& d_rows, cudaStream_t stream,
+                                   const GroupedGemmOptions& options = {});
 
 /// The combine alone: d_rows [rows_capacity, N] f32 (expert-ordered rows, e.g. a contiguous grouped GEMM's output on
-/// the gathered rows) back to token order as grouped_gemm_gathered_combine does (kPerSlot / kWeightedSum, weights, acc,
+/// the gathered rows) back to token order as grouped_gemm_gathered_combine does (kPerSlot / kWeightedSum, weights,
 /// out). One launch on `stream`; deterministic.
 void moe_combine(const TensorView& d_rows, const MoeRouting& routing, MoeCombineMode mode, const TensorView& weights,
-                 const TensorView& acc, const TensorView& out, cudaStream_t stream);
+                 const TensorView& out, cudaStream_t stream);
 
 // ---- TP MoE layers ---------------------------------------------------------------------------------------------
 
