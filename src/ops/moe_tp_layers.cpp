@@ -299,7 +299,7 @@ void MoeAgGroupedGemm::run(const TensorView& x_local, const TensorView& topk_idx
                            const TensorView& y, cudaStream_t stream) {
     WEFT_NVTX_RANGE("moe_ag_grouped_gemm");
     State& s = *s_;
-    s.refuse_after_abort(/*waits_alone=*/true);  // its kernels wait on its own words also at W = 1
+    s.refuse_after_abort(/*waits_alone=*/true);  // at every team size, a team of one too
     const char* op = s.op;
     const int64_t h = s.shape.hidden, f = s.shape.ffn, e = s.shape.num_experts, topk = s.shape.topk;
     check_matrix(x_local, op, "x_local", DType::kBF16, -1, h, false);
@@ -465,7 +465,7 @@ void MoeGroupedGemmRs::run(const TensorView& h, const TensorView& w, const MoeRo
                            const TensorView& weights, const TensorView& out, cudaStream_t stream) {
     WEFT_NVTX_RANGE("moe_grouped_gemm_rs");
     State& s = *s_;
-    s.refuse_after_abort(/*waits_alone=*/true);  // its kernels wait on its own words also at W = 1
+    s.refuse_after_abort(/*waits_alone=*/true);  // at every team size, a team of one too
     const char* op = s.op;
     const int64_t hid = s.shape.hidden, f = s.shape.ffn, e = s.shape.num_experts, topk = s.shape.topk;
     check_routing(routing, op);
