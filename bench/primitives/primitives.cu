@@ -393,6 +393,23 @@ void launch_bandwidth(int blocks, int threads, cudaStream_t stream, const Device
     bandwidth_kernel<G, kGet><<<blocks, threads, 0, stream>>>(ctx, local, symmetric, bytes, pe);
 }
 
+// The most threads per block every put/get kernel launches with on this GPU (their registers bound it).
+int bandwidth_max_threads() {
+    int most = 1024;
+    const auto take = [&](const void* kernel) {
+        cudaFuncAttributes attr{};
+        WEFT_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+        most = std::min(most, attr.maxThreadsPerBlock);
+    };
+    take(reinterpret_cast<const void*>(bandwidth_kernel<Thread, false>));
+    take(reinterpret_cast<const void*>(bandwidth_kernel<Warp, false>));
+    take(reinterpret_cast<const void*>(bandwidth_kernel<Block, false>));
+    take(reinterpret_cast<const void*>(bandwidth_kernel<Thread, true>));
+    take(reinterpret_cast<const void*>(bandwidth_kernel<Warp, true>));
+    take(reinterpret_cast<const void*>(bandwidth_kernel<Block, true>));
+    return most;
+}
+
 uint64_t count_mismatches(cudaStream_t stream, const uint8_t* p, uint64_t bytes, uint64_t seed) {
     unsigned long long* bad = nullptr;
     WEFT_CUDA_CHECK(cudaMalloc(&bad, sizeof(*bad)));
@@ -412,6 +429,12 @@ void run_bandwidth(World& w, const Options& o, std::vector<BandwidthRow>* rows, 
     const bool spread = o.placement == Placement::kSpread;
     Stream stream;
     const uint64_t max_size = *std::max_element(o.sizes.begin(), o.sizes.end());
+    const int max_threads = bandwidth_max_threads();
+    if (o.block_threads > max_threads) {
+        throw UsageError("--block-threads " + std::to_string(o.block_threads) +
+                         ": the put/get kernels launch with at most " + std::to_string(max_threads) +
+                         " threads per block on this GPU (their registers)");
+    }
     const uint64_t pool = std::max(kPoolBytes, round_up(max_size, 256));
     auto* symmetric = static_cast<uint8_t*>(w.heap().alloc(pool));
     uint8_t* local = nullptr;
