@@ -11,7 +11,8 @@
 //   layer 1    MoeGroupedGemmRs: h [rows, F/W] * w [E, H, F/W]^T partial per rank, summed over ranks and a token's
 //              slots (weighted) into this rank's tokens [M/W, H], the reduction overlapped with the GEMM
 //   (ranks of one process sharing a GPU: the push and the combine run on the caller's stream, before and after the
-//   GEMM, not beside it; kernels/moe_tp/README.md, "Pitfalls")
+//   GEMM, not beside it; kernels/moe_tp/README.md, "Pitfalls"; a team of one: the gather, the GEMM and the combine
+//   one after another, each on the whole SM budget, nothing waits)
 //
 //     weft::ops::MoeAgGroupedGemm up(team, shape);  weft::ops::MoeGroupedGemmRs down(team, shape);
 //     up.run(x_local, topk_idx, w_up, y, stream);            // y: per (token, k) row, grouped by expert
@@ -124,7 +125,8 @@ struct MoeTpOptions {
                                            ///< otherwise: the members' kernels wait for each other, all resident)
     int comm_blocks = 0;                   ///< CTAs of the push (layer 0) / combine (layer 1) kernel; 0 = heuristic
                                            ///< (the world's shared SM budget / 8); the same on every member (checked
-                                           ///< at construction: a weft::Error naming both counts)
+                                           ///< at construction: a weft::Error naming both counts); a team of one
+                                           ///< holds none beside its GEMM
     std::optional<GemmConfig> config;      ///< the grouped GEMM's config (is_valid_grouped, bf16 in, B [N, K]; out
                                            ///< bf16 for MoeAgGroupedGemm, is_valid_grouped_wait there; f32 for
                                            ///< MoeGroupedGemmRs)
