@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <initializer_list>
 #include <sstream>
 #include <string>
 #include <utility>
@@ -102,6 +103,7 @@ struct MoeLayerBase : tp_detail::FusedOpState {
     cudaStream_t side = nullptr;   // null: the push or combine goes on the caller's stream (see above)
     cudaEvent_t fork = nullptr, join = nullptr;
     GemmConfig config{};
+    jit::Kernel* gemm = nullptr;  // the call's GEMM over a team (alone: the grouped GEMM op's own)
     detail::MoeTpTimeouts timeouts;
     bool first_call_pending = false;
 
@@ -154,6 +156,23 @@ struct MoeLayerBase : tp_detail::FusedOpState {
     }
 
     uint64_t wait_timeout_ns() const { return timeouts.wait_ns; }
+
+    /// Loads every kernel a call launches, before anything can spin (lazy loading behind a waiting kernel can
+    /// deadlock): alone, `alone_kernel`; over a team, the GEMM of `gemm_spec`, `team_kernels` and the epoch advance.
+    /// Then logs the schedule (`alone_text`, or the communication CTAs as `comm_role`).
+    void load_kernels(const char* alone_kernel, const jit::KernelSpec& gemm_spec,
+                      std::initializer_list<const char*> team_kernels, const char* alone_text, const char* comm_role) {
+        if (alone) {
+            (void)moe_kernel(alone_kernel);
+        } else {
+            gemm = &ops::detail::gemm_jit_kernel(gemm_spec);
+            for (const char* k : team_kernels) (void)moe_kernel(k);
+            (void)ops::detail::gemm_jit_kernel(gemm_advance_epoch_spec());
+        }
+        WEFT_LOG_INFO(op << ": " << tp_detail::config_text(config) << ", "
+                         << (alone ? std::string(alone_text) : std::to_string(comm_blocks) + " " + comm_role)
+                         << ", SM budget " << budget << ", team of " << num_ranks);
+    }
 
     /// The call's grouped GEMM launch with its pipeline waits bounded by timeouts.pipeline_ns: longer than every peer
     /// wait (layer 0's producer waits for the members' pushes while its consumers wait for the producer; at the
@@ -221,7 +240,6 @@ struct MoeAgGroupedGemm::State : MoeLayerBase {
     MoeRouting routing;
     MoeRoutingStatus* status_host = nullptr;
     MoeRoutingStatus* status_dev = nullptr;
-    jit::Kernel* gemm = nullptr;
 
     State(const Team& t, const MoeTpShape& s, const MoeTpOptions& o)
         : MoeLayerBase(t, "moe_ag_grouped_gemm", DType::kBF16, s, o) {}
@@ -274,17 +292,8 @@ MoeAgGroupedGemm::MoeAgGroupedGemm(const Team& team, const MoeTpShape& shape, co
     if (!s.alone) go.wait = GroupedWaitParams{};  // planned as a waiting call
     s.config = plan_grouped_gemm(p, num_sms(), go).config;
     for (const char* k : {"routing_count", "routing_place"}) (void)moe_kernel(k);
-    if (s.alone) {
-        (void)moe_kernel("gather");
-    } else {
-        // Every kernel a call launches is loaded now (lazy loading behind a waiting kernel can deadlock).
-        s.gemm = &ops::detail::gemm_jit_kernel(detail::moe_ag_gemm_kernel_spec(s.config));
-        for (const char* k : {"push", "notify"}) (void)moe_kernel(k);
-        (void)ops::detail::gemm_jit_kernel(gemm_advance_epoch_spec());
-    }
-    WEFT_LOG_INFO(s.op << ": " << tp_detail::config_text(s.config) << ", "
-                       << (s.alone ? std::string("gather then GEMM") : std::to_string(s.comm_blocks) + " push CTAs")
-                       << ", SM budget " << s.budget << ", team of " << s.num_ranks);
+    s.load_kernels("gather", detail::moe_ag_gemm_kernel_spec(s.config), {"push", "notify"}, "gather then GEMM",
+                   "push CTAs");
     team.barrier();
 }
 
@@ -406,7 +415,6 @@ struct MoeGroupedGemmRs::State : MoeLayerBase {
     uint64_t* done = nullptr;      // symmetric [E]
     uint32_t* counters = nullptr;  // [E]
     float* acc = nullptr;          // [max_tokens / W, hidden] fp32
-    jit::Kernel* gemm = nullptr;
 
     State(const Team& t, const MoeTpShape& s, const MoeTpOptions& o)
         : MoeLayerBase(t, "moe_grouped_gemm_rs", DType::kF32, s, o) {}
@@ -430,8 +438,10 @@ MoeGroupedGemmRs::MoeGroupedGemmRs(const Team& team, const MoeTpShape& shape, co
     s.consumed = words + e;
     s.epoch = words + e + s.num_ranks;
     s.counters = reinterpret_cast<uint32_t*>(words + e + s.num_ranks + 1);
-    s.acc = static_cast<float*>(
-        s.heap.alloc(static_cast<uint64_t>(shape.max_tokens / s.num_ranks * shape.hidden) * sizeof(float)));
+    if (!s.alone) {  // the waiting combine's accumulators (the combine of a team of one sums in registers)
+        s.acc = static_cast<float*>(
+            s.heap.alloc(static_cast<uint64_t>(shape.max_tokens / s.num_ranks * shape.hidden) * sizeof(float)));
+    }
     tp_detail::check_peers_reachable(team, s.partial, s.op);
 
     GroupedGemmProblem p;
@@ -443,16 +453,8 @@ MoeGroupedGemmRs::MoeGroupedGemmRs(const Team& team, const MoeTpShape& shape, co
     p.out_dtype = DType::kF32;
     s.config = plan_grouped_gemm(p, num_sms(), s.gemm_options(shape.max_tokens)).config;
     WEFT_CHECK(s.config.out_dtype == DType::kF32, s.op << ": options.config must write f32 (the partial products)");
-    if (s.alone) {
-        (void)moe_kernel("combine_ready");
-    } else {
-        s.gemm = &ops::detail::gemm_jit_kernel(detail::moe_gemm_rs_kernel_spec(s.config));
-        for (const char* k : {"combine", "wait"}) (void)moe_kernel(k);
-        (void)ops::detail::gemm_jit_kernel(gemm_advance_epoch_spec());
-    }
-    WEFT_LOG_INFO(s.op << ": " << tp_detail::config_text(s.config) << ", "
-                       << (s.alone ? std::string("GEMM then combine") : std::to_string(s.comm_blocks) + " combine CTAs")
-                       << ", SM budget " << s.budget << ", team of " << s.num_ranks);
+    s.load_kernels("combine_ready", detail::moe_gemm_rs_kernel_spec(s.config), {"combine", "wait"}, "GEMM then combine",
+                   "combine CTAs");
     team.barrier();
 }
 
