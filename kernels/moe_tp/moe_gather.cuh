@@ -123,7 +123,7 @@ __device__ __forceinline__ float4 sources_sum(const MoeCombineArgs& a, int32_t r
 /// The combine without waits (every source's rows are written before the launch), one
 /// pass in token order: kPerSlot writes each slot's row (zeros for a dropped one); kWeightedSum sums a token's slots in
 /// fp32 registers, in ascending row order (for a routing moe_route made: ascending expert, then k, as the waiting
-/// combine's group walk adds them, so both give the same bits), and casts once. A slot row outside [0, rows) is a
+/// combine's group walk adds them), and casts once. A slot row outside [0, rows) is a
 /// dropped slot. No scratch: each token's partial rows are read once.
 __device__ __forceinline__ void combine_ready(const MoeCombineArgs& a) {
     constexpr int kWarps = kMoeThreads / 32;
@@ -279,8 +279,8 @@ __global__ void __launch_bounds__(kMoeThreads) moe_combine_kernel(const MoeCombi
 }
 
 /// The same combine once every source's rows are written (MoeCombineArgs::done and consumed unused): one pass in token
-/// order, each token's sum in registers (combine_ready); the same bits as moe_combine_kernel for moe_route's layout.
-/// A kernel of its own: beside the waiting walk's bounded-wait exit, the register sort spills.
+/// order, each token's sum in registers (combine_ready), its terms in moe_combine_kernel's order for moe_route's
+/// layout. A kernel of its own: beside the waiting walk's bounded-wait exit, the register sort spills.
 template <int kUnused>
 __global__ void __launch_bounds__(kMoeThreads) moe_combine_ready_kernel(const MoeCombineArgs a) {
     detail::combine_ready(a);
