@@ -330,6 +330,7 @@ TEST(MoeGatheredGemm, MatchesTheHostReferenceOverRoutingCases) {
         {130, 2, 12, 200, 96, Routing::kFewExperts},            // experts with no token
         {90, 2, 4, 72, 64, Routing::kBadIndex},                 // bad indices dropped and recorded
         {33, 8, 8, 64, 200, Routing::kRandom, 8, DType::kF32},  // every expert in every token
+        {40, 40, 48, 64, 64, Routing::kDropped},                // top-40: slots past a warp's 32 lanes, -1 slots
     };
     for (size_t i = 0; i < cases.size(); ++i) run_gathered(cases[i], seed + i);
 }
