@@ -304,6 +304,21 @@ TEST(MoeTpArgs, CombineNamesTheBadArgument) {
                   std::string::npos)
             << stride;
     }
+    // The forms that took an acc workspace forward to the ones without it (the same checks).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+    EXPECT_NE(error_of([&] {
+                  ops::grouped_gemm_gathered_combine(a, b, view(DType::kBF16, {200, 512}), BLayout::kNK, r,
+                                                     MoeCombineMode::kWeightedSum, w, a_rows, d_rows,
+                                                     view(DType::kF32, {100, 512}), nullptr);
+              }).find("grouped_gemm_gathered_combine: out must have 100 rows"),
+              std::string::npos);
+    EXPECT_NE(error_of([&] {
+                  ops::moe_combine(d_rows, r, MoeCombineMode::kWeightedSum, w, view(DType::kF32, {100, 512}),
+                                   view(DType::kBF16, {200, 512}), nullptr);
+              }).find("moe_combine: out must have 100 rows"),
+              std::string::npos);
+#pragma GCC diagnostic pop
     // The combine kernel steps its columns in int32: N keeps the GEMM's margin below 2^31.
     const int64_t wide = (int64_t{1} << 31) - 8;
     EXPECT_NE(error_of([&] {

@@ -107,6 +107,19 @@ void grouped_gemm_gathered_combine(const TensorView& a, const TensorView& b, con
 void moe_combine(const TensorView& d_rows, const MoeRouting& routing, MoeCombineMode mode, const TensorView& weights,
                  const TensorView& out, cudaStream_t stream);
 
+/// The forms of 0.1 that took an fp32 `acc` workspace [T, N]: the combine sums in registers now and reads none.
+[[deprecated("the combine takes no acc workspace: drop the argument")]] inline void moe_combine(
+    const TensorView& d_rows, const MoeRouting& routing, MoeCombineMode mode, const TensorView& weights,
+    const TensorView& /*acc*/, const TensorView& out, cudaStream_t stream) {
+    moe_combine(d_rows, routing, mode, weights, out, stream);
+}
+[[deprecated("the combine takes no acc workspace: drop the argument")]] inline void grouped_gemm_gathered_combine(
+    const TensorView& a, const TensorView& b, const TensorView& out, BLayout b_layout, const MoeRouting& routing,
+    MoeCombineMode mode, const TensorView& weights, const TensorView& a_rows, const TensorView& d_rows,
+    const TensorView& /*acc*/, cudaStream_t stream, const GroupedGemmOptions& options = {}) {
+    grouped_gemm_gathered_combine(a, b, out, b_layout, routing, mode, weights, a_rows, d_rows, stream, options);
+}
+
 // ---- TP MoE layers ---------------------------------------------------------------------------------------------
 
 /// Problem bounds of a TP MoE layer, fixed when the op is made (symmetric buffers are sized from them).
