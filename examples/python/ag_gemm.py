@@ -14,18 +14,7 @@ import torch
 import torch.distributed as dist
 
 import weft
-
-
-def time_ms(fn, iters=20):
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
+from example_utils import rel_error, time_ms
 
 
 def main():
@@ -56,7 +45,7 @@ def main():
 
         ref = baseline()
         torch.cuda.synchronize()
-        err = ((c.float() - ref.float()).norm() / ref.float().norm()).item()
+        err = rel_error(c, ref)
         t_weft = time_ms(lambda: op.run(a_local, b, c))
         t_base = time_ms(baseline)
     print(f"rank {rank}/{w}: AG+GEMM M={m} N={n} K={k}: rel. error {err:.2e}, weft {t_weft:.3f} ms, "

@@ -14,18 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import weft
-
-
-def time_ms(fn, iters=20, warmup=5):
-    for _ in range(warmup):
-        fn()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    stop.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(stop) / iters
+from example_utils import rel_error, time_ms
 
 
 def main():
@@ -47,9 +36,9 @@ def main():
     sdpa_args = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
     gqa = {"enable_gqa": True} if hq != hkv else {}
     ref = F.scaled_dot_product_attention(*sdpa_args, is_causal=True, **gqa)[0].transpose(0, 1)
-    err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-    t_weft = time_ms(lambda: weft.flash_attention(q, k, v, out, causal=True))
-    t_sdpa = time_ms(lambda: F.scaled_dot_product_attention(*sdpa_args, is_causal=True, **gqa))
+    err = rel_error(out, ref)
+    t_weft = time_ms(lambda: weft.flash_attention(q, k, v, out, causal=True), warmup=5)
+    t_sdpa = time_ms(lambda: F.scaled_dot_product_attention(*sdpa_args, is_causal=True, **gqa), warmup=5)
     print(f"prefill  seq {s}  heads {hq}/{hkv}  dim {d}  causal: weft {t_weft:.3f} ms, SDPA {t_sdpa:.3f} ms "
           f"({t_sdpa / t_weft:.2f}x), relative difference {err:.1e}")
 
@@ -73,7 +62,7 @@ def main():
                                               vb.transpose(0, 1).unsqueeze(0), **gqa)[0, :, 0]
         e = ((out_d[b].float() - want.float()).norm() / want.float().norm()).item()
         worst = max(worst, e) if math.isfinite(e) else math.inf  # a NaN fails
-    t_dec = time_ms(lambda: weft.decode_attention(qd, k_cache, v_cache, table, lens_d, out_d, max_seq_len=s))
+    t_dec = time_ms(lambda: weft.decode_attention(qd, k_cache, v_cache, table, lens_d, out_d, max_seq_len=s), warmup=5)
     print(f"decode   batch {batch}  up to {s} tokens  page {page}: weft {t_dec * 1000:.1f} us, worst relative "
           f"difference to SDPA {worst:.1e}")
     ok = err < 2e-2 and worst < 2e-2

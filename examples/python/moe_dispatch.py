@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 import weft
+from example_utils import rel_error
 
 
 def expert_scale(expert):
@@ -46,10 +47,6 @@ def reference(x, idx, weights):
     valid = idx >= 0
     per_slot = torch.where(valid, weights * expert_scale(idx.float()), torch.zeros_like(weights))
     return x.float() * per_slot.sum(dim=1, keepdim=True)
-
-
-def rel_error(out, ref):
-    return ((out.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def main():

@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import weft
+from example_utils import rel_error, time_ms
 
 
 def shared_randn(shape, seed, scale=1.0):
@@ -31,21 +32,6 @@ def routing(tokens, experts, topk, seed):
     g = torch.Generator(device="cuda").manual_seed(seed)
     idx = torch.rand((tokens, experts), generator=g, device="cuda").topk(topk, dim=1).indices.to(torch.int32)
     return idx, torch.rand((tokens, topk), generator=g, device="cuda")
-
-
-def rel_error(out, ref):
-    return ((out.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-
-
-def timed_ms(fn, iters=20):
-    fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def tp_ffn(rank, w, tokens, hidden, ffn, experts, topk):
@@ -64,7 +50,7 @@ def tp_ffn(rank, w, tokens, hidden, ffn, experts, topk):
             return down.run(F.silu(y), down_shard, up.routing, weights)
 
         out = layer()
-        ms = timed_ms(layer)
+        ms = time_ms(layer, warmup=1)
     # torch over the whole weights: out[t] = sum_k weights[t, k] * silu(x[t] @ w_up[e].T) @ w_down[e].T
     ref = torch.zeros((m, hidden), device="cuda")
     for e in range(experts):
@@ -86,8 +72,8 @@ def ep_block(rank, w, tokens, hidden, ffn, experts, topk):
         args = (x, idx, weights, gate_up[mine].contiguous(), down[mine].contiguous())
         out = block(*args)
         block.sync_and_check()
-        fused_ms = timed_ms(lambda: block(*args))
-        separate_ms = timed_ms(lambda: block(*args, fused=False))
+        fused_ms = time_ms(lambda: block(*args), warmup=1)
+        separate_ms = time_ms(lambda: block(*args, fused=False), warmup=1)
     ref = torch.zeros((tokens, hidden), device="cuda")
     for e in range(experts):
         for k in range(topk):
