@@ -9,6 +9,7 @@
 #include "gemm/gemm_hooks.cuh"
 #include "gemm/gemm_scheduler.cuh"
 #include "gemm/gemm_sm90_traits.cuh"
+#include "gemm/store_out.cuh"
 #include "weft/common/gemm_config.hpp"
 #include "weft/ptx/cvt.cuh"
 #include "weft/ptx/ld_st.cuh"
@@ -123,27 +124,6 @@ __device__ __forceinline__ void store_slab(const float (&acc)[GemmTraits<kCfg>::
     }
 }
 
-template <DType kOut>
-__device__ __forceinline__ void st_global_elem(void* base, int64_t idx, float v) {
-    if constexpr (kOut == DType::kF32) {
-        static_cast<float*>(base)[idx] = v;
-    } else if constexpr (kOut == DType::kBF16) {
-        static_cast<unsigned short*>(base)[idx] = ptx::cvt_rn_bf16(v);
-    } else {
-        static_cast<unsigned short*>(base)[idx] = ptx::cvt_rn_f16(v);
-    }
-}
-
-/// Two adjacent elements of D at idx (even) as one store.
-template <DType kOut>
-__device__ __forceinline__ void st_global_pair(void* base, int64_t idx, float lo, float hi) {
-    if constexpr (kOut == DType::kF32) {
-        *reinterpret_cast<float2*>(static_cast<float*>(base) + idx) = make_float2(lo, hi);
-    } else {
-        *reinterpret_cast<unsigned*>(static_cast<unsigned short*>(base) + idx) = ptx::cvt_rn_16x2<kOut>(lo, hi);
-    }
-}
-
 /// With plain stores: columns [n_tma, N) of one slab (less than 16 bytes per row: a TMA store box would write the
 /// whole 16-byte chunk and overwrite the row padding past N), and, for a tile width that is not a whole number of
 /// store boxes (GemmTraits::kEpiTail), the tile's columns past its last whole box (a box there would overwrite the
@@ -161,10 +141,9 @@ __device__ __forceinline__ void store_slab_tail(const float (&acc)[GemmTraits<kC
         const int c0 = col0 + 8 * g + 2 * (lane % 4);
         if (past_boxes && c0 + 1 < args.n) {
             // Both columns: one 4- or 8-byte store per row (D's row stride is a multiple of 16 bytes: TMA-stored).
-            if (r_lo < row_end)
-                st_global_pair<kCfg.out_dtype>(args.d, r_lo * args.ldd + c0, acc[4 * g], acc[4 * g + 1]);
+            if (r_lo < row_end) store_out2<kCfg.out_dtype>(args.d, r_lo * args.ldd + c0, acc[4 * g], acc[4 * g + 1]);
             if (r_hi < row_end) {
-                st_global_pair<kCfg.out_dtype>(args.d, r_hi * args.ldd + c0, acc[4 * g + 2], acc[4 * g + 3]);
+                store_out2<kCfg.out_dtype>(args.d, r_hi * args.ldd + c0, acc[4 * g + 2], acc[4 * g + 3]);
             }
             continue;
         }
@@ -172,8 +151,8 @@ __device__ __forceinline__ void store_slab_tail(const float (&acc)[GemmTraits<kC
         for (int e = 0; e < 2; ++e) {
             const int c = c0 + e;
             if ((past_boxes || c >= args.n_tma) && c < args.n) {
-                if (r_lo < row_end) st_global_elem<kCfg.out_dtype>(args.d, r_lo * args.ldd + c, acc[4 * g + e]);
-                if (r_hi < row_end) st_global_elem<kCfg.out_dtype>(args.d, r_hi * args.ldd + c, acc[4 * g + 2 + e]);
+                if (r_lo < row_end) store_out<kCfg.out_dtype>(args.d, r_lo * args.ldd + c, acc[4 * g + e]);
+                if (r_hi < row_end) store_out<kCfg.out_dtype>(args.d, r_hi * args.ldd + c, acc[4 * g + 2 + e]);
             }
         }
     }
@@ -275,7 +254,7 @@ __device__ __forceinline__ void store_slab_tail_swapped(const float (&acc)[GemmT
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
                 const int r = row0 + 8 * j + 2 * (lane % 4) + e;
-                if (r < args.m) st_global_elem<kCfg.out_dtype>(args.d, r * args.ldd + c, acc[4 * j + 2 * h + e]);
+                if (r < args.m) store_out<kCfg.out_dtype>(args.d, r * args.ldd + c, acc[4 * j + 2 * h + e]);
             }
     }
 }

@@ -1,13 +1,14 @@
 // SPDX-License-Identifier: MIT
 // Pieces shared by the small-M GEMM kernels (kernels/gemm/gemv_tma_sm90.cuh, gemv_rows_sm90.cuh, gemv_wgmma_sm90.cuh):
 // their tensor-map parameter, the m16n8k16 tensor-core MMA, guarded shared-memory reads, the stage-wait bound, the
-// output stores and kTmaRing's split-K reduction by the last CTA of a column block.
+// four-value output store (on gemm/store_out.cuh's) and kTmaRing's split-K reduction by the last CTA of a column block.
 //
 // Both kernels multiply with mma.sync m16n8k16 on a permuted k order: lane (g = l/4, t = l%4) reads the 16 bytes at
 // k + 8t .. k + 8t + 7 of a row, which are exactly the B fragments of two m16n8k16 MMAs when A is read with the
 // same permutation (A[row][k + 8t .. k + 8t + 7]); the dot products are unchanged.
 #pragma once
 
+#include "gemm/store_out.cuh"
 #include "weft/common/gemv_config.hpp"
 #include "weft/ptx/cvt.cuh"
 #include "weft/ptx/tma.cuh"
@@ -40,31 +41,6 @@ __device__ __forceinline__ void mma_m16n8k16(float (&c)[4], unsigned a0, unsigne
             "{%0, %1, %2, %3};\n"
             : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
             : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-    }
-}
-
-/// Stores v, converted to kOut (round to nearest), at d[idx].
-template <DType kOut>
-__device__ __forceinline__ void store_out(void* d, int64_t idx, float v) {
-    if constexpr (kOut == DType::kF32) {
-        static_cast<float*>(d)[idx] = v;
-    } else if constexpr (kOut == DType::kBF16) {
-        static_cast<unsigned short*>(d)[idx] = ptx::cvt_rn_bf16(v);
-    } else {
-        static_cast<unsigned short*>(d)[idx] = ptx::cvt_rn_f16(v);
-    }
-}
-
-/// Stores v0, v1, converted to kOut (round to nearest), at d[idx] and d[idx + 1] with one store; idx even and d
-/// aligned to two elements.
-template <DType kOut>
-__device__ __forceinline__ void store_out2(void* d, int64_t idx, float v0, float v1) {
-    if constexpr (kOut == DType::kF32) {
-        *reinterpret_cast<float2*>(static_cast<float*>(d) + idx) = make_float2(v0, v1);
-    } else if constexpr (kOut == DType::kBF16) {
-        *reinterpret_cast<uint32_t*>(static_cast<unsigned short*>(d) + idx) = ptx::cvt_rn_bf16x2(v0, v1);
-    } else {
-        *reinterpret_cast<uint32_t*>(static_cast<unsigned short*>(d) + idx) = ptx::cvt_rn_f16x2(v0, v1);
     }
 }
 
