@@ -63,24 +63,25 @@ enum class MoeCombineMode : int32_t {
                        ///< D[slot_rows[t*topk+k]]
 };
 
-/// The top-k reduce kernel's arguments (moe_gather.cuh, moe_combine_kernel). D is fp32 rows [rows, N]; with more than
-/// one source (a TP MoE layer's ReduceScatter) each source's D is another rank's partial product of the same rows and
-/// the kernel sums the sources in index order; with `done` set, group g's rows of source s are read only after
-/// *done[s][g] >= *epoch (the source's GEMM finished group g). Tokens [token_begin, token_begin + tokens) are this
-/// launch's; out rows are relative to token_begin. The sum over a token's slots runs in (group, k) order for every
-/// token: ascending expert index, then k; deterministic whatever the launch's grid.
+/// The top-k reduce kernels' arguments (moe_gather.cuh: moe_combine_kernel, which waits; moe_combine_ready_kernel,
+/// which does not and ignores done, consumed, epoch and acc). D is fp32 rows [rows, N]; with more than one source (a
+/// TP MoE layer's ReduceScatter) each source's D is another rank's partial product of the same rows and the kernel
+/// sums the sources in index order; the waiting kernel reads group g's rows of source s only after *done[s][g] >=
+/// *epoch (the source's GEMM finished group g). Tokens [token_begin, token_begin + tokens) are this launch's; out rows
+/// are relative to token_begin. The sum over a token's slots runs in (group, k) order (the ready kernel: ascending
+/// row, the same order for moe_route's layout): ascending expert index, then k; deterministic whatever the grid.
 struct MoeCombineArgs {
     const float* partials[kMoeMaxRanks];  ///< D of each source [rows, N] (row stride ldp floats)
-    const uint64_t* done[kMoeMaxRanks];   ///< [E] per-group "stored" words of each source, or nullptr: no waits
-    uint64_t* consumed[kMoeMaxRanks];     ///< after the launch's reads, each block adds 1 to *consumed[s], or nullptr
+    const uint64_t* done[kMoeMaxRanks];   ///< [E] per-group "stored" words of each source (the waiting kernel)
+    uint64_t* consumed[kMoeMaxRanks];     ///< waiting kernel: after its reads each block adds 1 to *consumed[s], or
+                                          ///< nullptr
     const int32_t* slot_rows;             ///< [total tokens, topk]
     const int32_t* counts;                ///< [E]
     const int32_t* offsets;               ///< [E]
     const float* weights;                 ///< [total tokens, topk] (kWeightedSum), or nullptr: weight 1
-    float* acc;                           ///< kWeightedSum with done: fp32 scratch [tokens, N] (row stride N); unused
-                                          ///< without done (each token is summed in registers)
+    float* acc;                           ///< waiting kernel, kWeightedSum: fp32 scratch [tokens, N] (row stride N)
     void* out;                            ///< bf16 or f32 (out_f32), row stride ldo elements
-    const uint64_t* epoch;                ///< with done: the call counter (the wait is for >= *epoch)
+    const uint64_t* epoch;                ///< waiting kernel: the call counter (the wait is for >= *epoch)
     DeviceCtx ctx;                        ///< bound and diagnostics of the waits
     int64_t ldp, ldo;
     int32_t num_sources, num_experts, topk, n;
