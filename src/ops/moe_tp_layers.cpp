@@ -334,6 +334,7 @@ void MoeAgGroupedGemm::run(const TensorView& x_local, const TensorView& topk_idx
     const GroupedGemmOptions go = s.gemm_options(m);
     GroupedGemmOptions go_forced = go;
     go_forced.config = s.config;
+    // Alone, only its checks are used: the launch is refused (if at all) before the route and the gather are enqueued.
     const ops::detail::GroupedGemmLaunch gl =
         s.prepare_gemm(p, a_rows, w, y, s.routing.offsets, s.routing.counts, go_forced);
     s.routing.tokens = m;  // once nothing more refuses the call: routing() names the last call that ran
