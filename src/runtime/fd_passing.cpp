@@ -14,6 +14,7 @@
 #include <set>
 #include <thread>
 
+#include "rendezvous_socket.hpp"
 #include "runtime_internal.hpp"
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/log.hpp"
@@ -23,11 +24,6 @@ namespace weft::detail {
 
 std::string heap_socket_name(const std::string& job_id, int rank) {
     return "weft-" + job_id + "-heap-" + std::to_string(rank);
-}
-
-void UniqueFd::reset(int fd) {
-    if (fd_ >= 0) ::close(fd_);
-    fd_ = fd;
 }
 
 namespace {
@@ -47,25 +43,16 @@ struct Message {
     uint64_t heap_bytes;
 };
 
-// Abstract-namespace address (leading NUL): no file to clean up, and it vanishes with the process.
-sockaddr_un socket_address(const std::string& name, socklen_t* length) {
-    sockaddr_un addr{};
-    addr.sun_family = AF_UNIX;
-    WEFT_CHECK(name.size() + 1 <= sizeof(addr.sun_path), "socket name '" << name << "' is too long");
-    addr.sun_path[0] = '\0';
-    std::memcpy(addr.sun_path + 1, name.data(), name.size());
-    *length = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
-    return addr;
-}
-
-std::string errno_text(int err) { return std::string(std::strerror(err)) + " (errno " + std::to_string(err) + ")"; }
+// Sockets in the abstract namespace (leading NUL): no file to clean up, and the name vanishes with the process.
+using rendezvous::abstract_socket_address;
+using rendezvous::errno_text;
 
 UniqueFd listen_on(const std::string& name) {
     // Non-blocking: the receive loop accepts until EAGAIN.
     UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
     WEFT_CHECK(fd.get() >= 0, "socket(AF_UNIX) failed: " << errno_text(errno));
     socklen_t length = 0;
-    sockaddr_un addr = socket_address(name, &length);
+    sockaddr_un addr = abstract_socket_address(name, &length);
     WEFT_CHECK(::bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), length) == 0,
                "could not bind the abstract socket '@" << name << "': " << errno_text(errno));
     WEFT_CHECK(::listen(fd.get(), SOMAXCONN) == 0, "listen on '@" << name << "' failed: " << errno_text(errno));
@@ -129,7 +116,7 @@ void stop_if_asked(const FdExchange& ex, const std::string& what) {
 /// `deadline` (or ex's stop reason).
 UniqueFd connect_to(const FdExchange& ex, const std::string& name, std::chrono::steady_clock::time_point deadline) {
     socklen_t length = 0;
-    sockaddr_un addr = socket_address(name, &length);
+    sockaddr_un addr = abstract_socket_address(name, &length);
     auto next_stop_check = std::chrono::steady_clock::now() + kStopCheckSlice;
     for (int attempt = 0;; ++attempt) {
         UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));

@@ -21,6 +21,7 @@
 namespace weft {
 
 using namespace detail::rendezvous;  // NOLINT: this file implements the protocol
+using detail::UniqueFd;
 using std::chrono::milliseconds;
 
 namespace {

@@ -28,6 +28,7 @@
 namespace weft {
 
 using namespace detail::rendezvous;  // NOLINT: this file implements the protocol
+using detail::UniqueFd;
 
 namespace {
 

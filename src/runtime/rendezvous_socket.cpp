@@ -22,11 +22,6 @@
 
 namespace weft::detail::rendezvous {
 
-void UniqueFd::reset(int fd) {
-    if (fd_ >= 0) ::close(fd_);
-    fd_ = fd;
-}
-
 std::string errno_text(int err) {
     char buf[256];
     // GNU strerror_r returns the message pointer (which may or may not be `buf`).
