@@ -72,6 +72,36 @@ __device__ __forceinline__ void online_max_step(float (&row_max)[2], const float
     }
 }
 
+/// The softmax part of one key tile for the two rows a quad of lanes holds (mma.sync fragments of base-2 scores,
+/// tile_max the lane's maxima per row): online_max_step, the scores exponentiated in place, their sum folded into each
+/// row's running sum and the output accumulator rescaled by the correction.
+template <int kSTiles, int kNTiles>
+__device__ __forceinline__ void online_softmax_step(float (&s)[kSTiles][4], const float (&tile_max)[2],
+                                                    float (&row_max)[2], float (&row_sum)[2],
+                                                    float (&acc)[kNTiles][4]) {
+    float base[2];
+    float correction[2];
+    online_max_step(row_max, tile_max, base, correction);
+    float tile_sum[2] = {0.f, 0.f};
+#pragma unroll
+    for (int n = 0; n < kSTiles; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            s[n][e] = fast_exp2(s[n][e] - base[e >> 1]);
+            tile_sum[e >> 1] += s[n][e];
+        }
+    }
+    row_sum[0] = row_sum[0] * correction[0] + tile_sum[0];
+    row_sum[1] = row_sum[1] * correction[1] + tile_sum[1];
+#pragma unroll
+    for (int n = 0; n < kNTiles; ++n) {
+        acc[n][0] *= correction[0];
+        acc[n][1] *= correction[0];
+        acc[n][2] *= correction[1];
+        acc[n][3] *= correction[1];
+    }
+}
+
 /// Sequence-parallel decode: sends columns col..col+3 of final row `row` (and, when `with_lse`, the row's LSE) as LL
 /// lines to slot `rank` of every rank's LL buffer, flagged for the epoch the cross-rank combine kernel runs under
 /// (AttentionPeerPush). Per thread; the receiver polls the lines, nothing else orders them.
@@ -329,27 +359,7 @@ __global__ void __launch_bounds__(kAttentionThreads) decode_split(AttentionDecod
                 tile_max[e >> 1] = fmaxf(tile_max[e >> 1], s[n][e]);
             }
         }
-        float base[2];
-        float correction[2];
-        online_max_step(row_max, tile_max, base, correction);
-        float tile_sum[2] = {0.f, 0.f};
-#pragma unroll
-        for (int n = 0; n < 2; ++n) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                s[n][e] = fast_exp2(s[n][e] - base[e >> 1]);
-                tile_sum[e >> 1] += s[n][e];
-            }
-        }
-        row_sum[0] = row_sum[0] * correction[0] + tile_sum[0];
-        row_sum[1] = row_sum[1] * correction[1] + tile_sum[1];
-#pragma unroll
-        for (int n = 0; n < kNTiles; ++n) {
-            acc[n][0] *= correction[0];
-            acc[n][1] *= correction[0];
-            acc[n][2] *= correction[1];
-            acc[n][3] *= correction[1];
-        }
+        online_softmax_step(s, tile_max, row_max, row_sum, acc);
         // O += P V: P's accumulator registers are the A operand of the k = 16-token step.
         const unsigned pa[4] = {E::pack(s[0][0], s[0][1]), E::pack(s[0][2], s[0][3]), E::pack(s[1][0], s[1][1]),
                                 E::pack(s[1][2], s[1][3])};

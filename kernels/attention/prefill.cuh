@@ -222,27 +222,7 @@ __global__ void __launch_bounds__(attention_prefill_threads(C)) prefill_forward(
                     }
                 }
             }
-            float base[2];
-            float correction[2];
-            online_max_step(row_max, tile_max, base, correction);
-            float tile_sum[2] = {0.f, 0.f};
-#pragma unroll
-            for (int n = 0; n < kSTiles; ++n) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    s[n][e] = fast_exp2(s[n][e] - base[e >> 1]);
-                    tile_sum[e >> 1] += s[n][e];
-                }
-            }
-            row_sum[0] = row_sum[0] * correction[0] + tile_sum[0];
-            row_sum[1] = row_sum[1] * correction[1] + tile_sum[1];
-#pragma unroll
-            for (int n = 0; n < kNTiles; ++n) {
-                acc[n][0] *= correction[0];
-                acc[n][1] *= correction[0];
-                acc[n][2] *= correction[1];
-                acc[n][3] *= correction[1];
-            }
+            online_softmax_step(s, tile_max, row_max, row_sum, acc);
             // O += P V: P's accumulator registers are the A operand of each 16-key step.
 #pragma unroll
             for (int j = 0; j < kBN / 16; ++j) {
