@@ -90,7 +90,7 @@ void check_dense(const TensorView& v, const char* op, const char* what, DType dt
 
 void check_routing(const MoeRouting& r, const char* op) {
     WEFT_CHECK(r.num_experts >= 1 && r.num_experts <= kMaxIndex,
-               op << ": routing.num_experts must be >= 1, got " << r.num_experts);
+               op << ": routing.num_experts must be in [1, 2^31 - 2^24], got " << r.num_experts);
     WEFT_CHECK(r.topk >= 1 && r.topk <= kMaxTopk,
                op << ": routing.topk must be in [1, " << kMaxTopk << "], got " << r.topk);
     WEFT_CHECK(r.tokens >= 0 && r.tokens <= kMaxIndex / r.topk,

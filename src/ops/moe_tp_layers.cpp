@@ -49,9 +49,10 @@ void validate_moe_tp_shape(const MoeTpShape& s, int num_ranks, const MoeTpOption
                op << ": shape.max_tokens must be a positive multiple of the team's num_ranks " << num_ranks << ", got "
                   << s.max_tokens);
     WEFT_CHECK(s.hidden >= 8 && s.hidden % 8 == 0 && s.hidden <= kGemmMaxExtent,
-               op << ": shape.hidden must be a positive multiple of 8, got " << s.hidden);
-    WEFT_CHECK(s.ffn >= 8 && s.ffn % 8 == 0 && s.ffn <= kGemmMaxExtent,
-               op << ": shape.ffn (this rank's shard) must be a positive multiple of 8, got " << s.ffn);
+               op << ": shape.hidden must be a positive multiple of 8, at most 2^31 - 2^24, got " << s.hidden);
+    WEFT_CHECK(
+        s.ffn >= 8 && s.ffn % 8 == 0 && s.ffn <= kGemmMaxExtent,
+        op << ": shape.ffn (this rank's shard) must be a positive multiple of 8, at most 2^31 - 2^24, got " << s.ffn);
     WEFT_CHECK(s.num_experts >= 1 && s.num_experts <= 4096,
                op << ": shape.num_experts must be in [1, 4096], got " << s.num_experts);
     WEFT_CHECK(s.topk >= 1 && s.topk <= kMaxTopk && s.topk <= s.num_experts,

@@ -197,6 +197,12 @@ TEST(MoeTpArgs, RouteNamesTheBadArgument) {
                   ops::moe_route(view(DType::kI32, {100, 65}), r, 1, nullptr);
               }).find("topk"),
               std::string::npos);
+    MoeRouting too_many = r;
+    too_many.num_experts = int64_t{1} << 31;
+    EXPECT_NE(error_of([&] {
+                  ops::moe_route(idx, too_many, 1, nullptr);
+              }).find("routing.num_experts must be in [1, 2^31 - 2^24], got 2147483648"),
+              std::string::npos);
     // A refused call leaves the caller's routing as it was.
     EXPECT_EQ(r.tokens, 0);
     EXPECT_EQ(r.topk, 0);
@@ -455,7 +461,16 @@ TEST(MoeTpArgs, ShapeChecksNameTheField) {
     EXPECT_NE(err(s, 8).find("max_tokens x topk"), std::string::npos);
     s = ok;
     s.hidden = (int64_t{1} << 31) - 8;
-    EXPECT_NE(err(s, 8).find("hidden"), std::string::npos);
+    EXPECT_NE(err(s, 8).find("shape.hidden must be a positive multiple of 8, at most 2^31 - 2^24"), std::string::npos);
+    s = ok;
+    s.ffn = int64_t{1} << 32;
+    EXPECT_NE(err(s, 8).find("shape.ffn (this rank's shard) must be a positive multiple of 8, at most 2^31 - 2^24"),
+              std::string::npos);
+    s = ok;
+    s.num_experts = 4096;
+    EXPECT_NO_THROW(ops::validate_moe_tp_shape(s, 8, {}, "op"));
+    s.num_experts = 4097;
+    EXPECT_NE(err(s, 8).find("shape.num_experts must be in [1, 4096], got 4097"), std::string::npos);
     MoeTpOptions o;
     o.comm_blocks = 65;
     EXPECT_NE(err(ok, 8, o).find("comm_blocks"), std::string::npos);

@@ -53,7 +53,8 @@ struct FlashAttentionOptions {
 /// The wgmma kernel (sm_90's default) reads q, k and v through tensor maps: their outer strides (of extents above 1)
 /// must also be positive and below 2^40 bytes. With options.config unset, a broadcast view (stride 0) runs on the
 /// mma.sync kernel; a config that names kWgmma refuses it.
-///   out  q's dtype [seq_q, num_q_heads, head_dim], contiguous
+///   out  q's dtype [seq_q, num_q_heads, head_dim], contiguous; may be q itself (the same view: in place), must
+///        not overlap k, v or lse, nor q otherwise
 ///   lse  f32 [seq_q, num_q_heads], contiguous; or an empty view (a default TensorView: data null, no dimensions)
 ///        when not wanted
 /// head_dim 64 or 128; num_q_heads a multiple of num_kv_heads, at most 16 q-heads per KV head and at most 65536 (grid

@@ -124,10 +124,11 @@ void moe_combine(const TensorView& d_rows, const MoeRouting& routing, MoeCombine
 
 /// Problem bounds of a TP MoE layer, fixed when the op is made (symmetric buffers are sized from them).
 struct MoeTpShape {
-    int64_t max_tokens = 0;   ///< largest M of a call (all ranks' tokens); a positive multiple of the team's size
-    int64_t hidden = 0;       ///< H: layer 0's K, layer 1's N; a multiple of 8
-    int64_t ffn = 0;          ///< F / W, this rank's shard: layer 0's N, layer 1's K; a multiple of 8
-    int64_t num_experts = 0;  ///< E
+    int64_t max_tokens = 0;  ///< largest M of a call (all ranks' tokens); a positive multiple of the team's size;
+                             ///< max_tokens x topk at most 2^31 - 2^24
+    int64_t hidden = 0;      ///< H: layer 0's K, layer 1's N; a multiple of 8, at most 2^31 - 2^24
+    int64_t ffn = 0;  ///< F / W, this rank's shard: layer 0's N, layer 1's K; a multiple of 8, at most 2^31 - 2^24
+    int64_t num_experts = 0;  ///< E, 1 .. 4096
     int64_t topk = 0;         ///< 1 .. min(64, num_experts)
 };
 
